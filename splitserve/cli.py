@@ -1,0 +1,46 @@
+"""`splitserve serve | bench serve | bench offline`.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them up, importing lazily so that
+`splitserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("splitserve.services.launch", "start the OpenAI-compatible service"),
+    "bench serve": ("splitserve.bench.serve", "load-test an OpenAI-compatible endpoint"),
+    "bench offline": ("splitserve.bench.offline", "engine prefill/decode throughput vs transformers"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve")
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for name, (module_name, help_text) in _COMMANDS.items():
+        parts = name.split()
+        if len(parts) == 1:
+            sub = top.add_parser(parts[0], help=help_text)
+        else:
+            if parts[0] not in groups:
+                group_parser = top.add_parser(parts[0], help=f"{parts[0]} subcommands")
+                groups[parts[0]] = group_parser.add_subparsers(dest="subcommand", required=True)
+            sub = groups[parts[0]].add_parser(parts[1], help=help_text)
+        sub.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
