@@ -127,6 +127,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.admitted = False
         self.block_table: list[int] = []
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None

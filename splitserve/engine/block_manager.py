@@ -1,0 +1,118 @@
+"""Paged KV blocks: allocation, ref counts, prefix reuse and LRU eviction.
+
+A block whose ref count drops to zero keeps its contents and its hash: it sits in the free
+queue (least recently freed first) and can be claimed again by a request with the same prefix
+until a new allocation evicts it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from splitserve.engine.request import Request
+from splitserve.kvstore.hashing import ROOT_HASH, hash_block
+
+
+class Block:
+    __slots__ = ("block_hash", "block_id", "ref_count")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self._hashes: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_prefix(self, req: Request) -> int:
+        """Claim the cached blocks of req's longest known prefix; returns its token count.
+
+        At least one token is always left to compute, so the last position's logits exist.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._block_hashes(req)
+        usable = (req.num_tokens - 1) // self.block_size
+        for block_hash in hashes[:usable]:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            self._take(block_id)
+            req.block_table.append(block_id)
+        return len(req.block_table) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Make req's block table cover its computed tokens plus num_new_tokens."""
+        needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        missing = needed - len(req.block_table)
+        if missing > len(self.free_queue):
+            return False
+        for _ in range(missing):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.blocks[block_id].ref_count = 1
+            req.block_table.append(block_id)
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Publish the hashes of blocks whose tokens all have KV now."""
+        if not self.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(req)
+        for index in range(full):
+            block = self.blocks[req.block_table[index]]
+            if block.block_hash is None and hashes[index] not in self.cached:
+                block.block_hash = hashes[index]
+                self.cached[hashes[index]] = block.block_id
+
+    def free(self, req: Request) -> None:
+        """Release req's blocks, tail first, so that prefixes outlive their suffixes."""
+        for block_id in reversed(req.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        req.block_table = []
+
+    def forget(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
+
+    def _block_hashes(self, req: Request) -> list[int]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        tokens = req.all_token_ids
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for start in range(
+            len(hashes) * self.block_size, len(tokens) - self.block_size + 1, self.block_size
+        ):
+            parent = hash_block(parent, tokens[start : start + self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,162 @@
+"""Paged attention behind a small backend interface.
+
+A step's tokens are laid out flat: first one token per decoding sequence, then the new tokens
+of each prefilling sequence. Every backend writes the step's K/V into the paged cache at
+``slot_mapping`` and attends over each sequence's cached context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """New tokens [start, start + length) of one sequence whose context ends at context_len."""
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefills: list[PrefillSegment]
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer over the paged KV cache.
+
+    k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; returns [T, H, D].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttention(AttentionBackend):
+    """Pure-torch reference backend; runs on CPU and CUDA."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        n = meta.num_decode_tokens
+        if n:
+            out[:n] = self._decode(q[:n], k_cache, v_cache, meta)
+        for seg in meta.prefills:
+            rows = slice(seg.start, seg.start + seg.length)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = gather_context(k_cache, meta.decode_block_tables)
+        values = gather_context(v_cache, meta.decode_block_tables)
+        length = keys.shape[1]
+        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+        # The query heads of one KV group act as that group's "query positions".
+        grouped = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+        )
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seg: PrefillSegment,
+    ) -> torch.Tensor:
+        cached = seg.context_len - seg.length
+        if cached:
+            table = seg.block_table[None, :]
+            k = gather_context(k_cache, table)[0, : seg.context_len]
+            v = gather_context(v_cache, table)[0, : seg.context_len]
+            positions = torch.arange(seg.length, device=q.device)[:, None] + cached
+            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= positions
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+        return out.transpose(0, 1)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each new token's K/V at its slot (block * block_size + offset)."""
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, max_blocks * block_size, heads, dim]."""
+    blocks = cache[block_tables]
+    batch, num_blocks, block_size, heads, dim = blocks.shape
+    return blocks.view(batch, num_blocks * block_size, heads, dim)
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r} (available: torch)")

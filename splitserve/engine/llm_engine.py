@@ -1,0 +1,179 @@
+"""One model replica: requests in, one scheduler step at a time, outputs out.
+
+No HTTP, Ray or sockets here; workers wrap this class and the offline ``LLM`` drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.loader import load_model_config, load_tokenizer, resolve_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request, RequestOutput, SamplingParams
+from splitserve.engine.sampler import Sampler, SampleResult
+from splitserve.engine.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    generation_tokens: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        self.config = config
+        self.model_name = config.model
+        path = resolve_model(config.model)
+        self.model_config = load_model_config(path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        self.eos_token_ids = _eos_ids(self.tokenizer)
+        self.max_model_len = _max_model_len(
+            config, self.model_config.max_position_embeddings, self.model_config.sliding_window
+        )
+        self.runner = ModelRunner(config, self.model_config, path)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError if it can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(token_ids, params)
+        req = Request(request_id, token_ids, params, text, self.eos_token_ids)
+        self.requests[request_id] = req
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+        self.scheduler.add(req)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the context length of {self.max_model_len} tokens"
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise ValueError("the request needs more KV blocks than this worker has")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        self.detokenizers.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits, sampled = self.runner.run(batch)
+        results = self.sampler(logits, [batch.requests[i] for i in sampled])
+        self._advance(batch)
+        outputs = []
+        for i, result in zip(sampled, results):
+            req = batch.requests[i]
+            self._append(req, result)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _advance(self, batch: ScheduledBatch) -> None:
+        for req, num_new in zip(batch.requests, batch.num_new_tokens):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.prompt_tokens_computed += min(
+                    num_new, req.num_prompt_tokens - req.num_computed_tokens
+                )
+            req.num_computed_tokens += num_new
+            self.block_manager.commit(req)
+
+    def _append(self, req: Request, result: SampleResult) -> None:
+        token, params = result.token_id, req.params
+        req.output_token_ids.append(token)
+        self.generation_tokens += 1
+        if result.logprobs is not None and result.logprob is not None:
+            for token_id, entry in result.logprobs.items():
+                entry.decoded_token = self.tokenizer.decode([token_id])
+            req.output_logprobs.append(result.logprobs)
+            req.cumulative_logprob += result.logprob
+        detok = self.detokenizers[req.request_id]
+        past_min = req.num_output_tokens > params.min_tokens
+        stop_string = detok.add(token, check_stop=past_min or not params.min_tokens)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            req.finish("stop")
+        elif token in params.stop_token_ids:
+            req.finish("stop", token)
+        elif stop_string is not None:
+            req.finish("stop", stop_string)
+        elif req.num_output_tokens == params.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish("length")
+        if req.is_finished:
+            if stop_string is None:
+                detok.flush()
+            self.scheduler.finish(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        detok = self.detokenizers[req.request_id]
+        req.output_text = detok.visible_text(req.is_finished)
+        output = req.to_output()
+        if req.is_finished:
+            del self.requests[req.request_id]
+            del self.detokenizers[req.request_id]
+        return output
+
+    def stats(self) -> EngineStats:
+        free, total = self.block_manager.num_free_blocks, self.block_manager.num_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=free,
+            num_total_blocks=total,
+            kv_usage=1.0 - free / total,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            prompt_tokens_cached=self.scheduler.prompt_tokens_cached,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _max_model_len(config: EngineConfig, max_positions: int, window: int | None) -> int:
+    limit = min(max_positions, window) if window else max_positions
+    return min(config.max_model_len, limit) if config.max_model_len else limit

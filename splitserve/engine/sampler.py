@@ -1,0 +1,103 @@
+"""Token selection: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
+
+Rows with a seed draw from their own generator, so a seeded request samples the same tokens
+whatever else shares its batch. Logprobs are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.request import Logprob, Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None
+    logprobs: dict[int, Logprob] | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+        """logits: [len(reqs), vocab] float32 on any device."""
+        logits = logits.float().cpu()
+        raw = logits
+        if any(r.params.logprobs is not None for r in reqs):
+            raw = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        for row, req in enumerate(reqs):
+            apply_penalties(logits[row], req)
+        tokens = [self._pick(logits[row], req) for row, req in enumerate(reqs)]
+        return [_result(raw[row], tok, req) for row, (tok, req) in enumerate(zip(tokens, reqs))]
+
+    def _pick(self, logits: torch.Tensor, req: Request) -> int:
+        params = req.params
+        if params.greedy:
+            return int(torch.argmax(logits))
+        logits = logits / params.temperature
+        logits = filter_top_k_top_p_min_p(logits, params.top_k, params.top_p, params.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        generator = req.generator or self.generator
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        return int(torch.argmax(probs / noise))
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> None:
+    """In place on one row: repetition, frequency and presence penalties, min_tokens."""
+    params = req.params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        values = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty or params.presence_penalty) and req.output_token_ids:
+        counts = torch.bincount(
+            torch.tensor(req.output_token_ids, dtype=torch.long), minlength=logits.shape[0]
+        )[: logits.shape[0]].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if req.num_output_tokens < params.min_tokens:
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.update(req.eos_token_ids)
+        if banned:
+            logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+
+
+def filter_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """One row of temperature-scaled logits -> the same with excluded tokens at -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _result(raw: torch.Tensor, token: int, req: Request) -> SampleResult:
+    top_n = req.params.logprobs
+    if top_n is None:
+        return SampleResult(token)
+    chosen = float(raw[token])
+    entries = {token: Logprob(chosen, int((raw > raw[token]).sum()) + 1)}
+    if top_n:
+        values, indices = torch.topk(raw, top_n)
+        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist()), start=1):
+            entries.setdefault(index, Logprob(value, rank))
+    return SampleResult(token, chosen, entries)
