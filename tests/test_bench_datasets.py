@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def test_multi_turn_context_grows_and_extends_the_previous_turn() -> None:
     assert [len(r.messages) for r in reqs] == [2, 2, 4, 4, 6, 6]  # turn-major order
     for conversation in (0, 1):
         turns = reqs[conversation::2]
-        for earlier, later in zip(turns, turns[1:], strict=False):
+        for earlier, later in itertools.pairwise(turns):
             assert later.messages[: len(earlier.messages)] == earlier.messages
             assert later.messages[len(earlier.messages)].role == "assistant"
             assert len(later.messages[len(earlier.messages)].content.split()) == 4

@@ -7,6 +7,7 @@ comes from the final ``usage`` event when the server sends one, else from the te
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ def _result(state: _Stream, end: float, t0: float) -> RequestResult:
         state.error = "no tokens received"
     if state.error:
         return RequestResult(success=False, start=start, e2el=end - state.start, error=state.error)
-    itls = tuple(b - a for a, b in zip(state.arrivals, state.arrivals[1:], strict=False))
+    itls = tuple(b - a for a, b in itertools.pairwise(state.arrivals))
     return RequestResult(
         success=True,
         start=start,

@@ -51,8 +51,9 @@ def format_table(summary: dict[str, Any], title: str) -> str:
     lines += [_row(label, summary.get(key)) for label, key in _COUNTS]
     for heading, name in _SECTIONS:
         lines.append(f"{f' {heading} ':-^60}")
-        for key in sorted(k for k in summary if k.endswith(f"_{name}_ms")):
-            lines.append(_row(key, summary[key]))
+        for key in (k for k in summary if k.endswith(f"_{name}_ms")):
+            stat = key.split("_")[0]
+            lines.append(_row(f"{stat.capitalize()} {name.upper()} (ms)", summary[key]))
     for message, count in summary.get("errors", {}).items():
         lines.append(f"error x{count}: {message}")
     lines.append("=" * 60)

@@ -78,7 +78,7 @@ def _rates(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from exc
 
 
-def build_dataset(args: argparse.Namespace, source: TextSource) -> list[BenchRequest]:
+def build_dataset(args: argparse.Namespace, source: TextSource, seed: int) -> list[BenchRequest]:
     if args.dataset == "random":
         return datasets.random_dataset(
             source,
@@ -86,7 +86,7 @@ def build_dataset(args: argparse.Namespace, source: TextSource) -> list[BenchReq
             args.random_input_len,
             args.random_output_len,
             args.random_range_ratio,
-            args.seed,
+            seed,
         )
     if args.dataset == "shared-prefix":
         return datasets.shared_prefix_dataset(
@@ -96,7 +96,7 @@ def build_dataset(args: argparse.Namespace, source: TextSource) -> list[BenchReq
             args.shared_prefix_system_len,
             args.shared_prefix_question_len,
             args.output_len,
-            args.seed,
+            seed,
         )
     if args.dataset == "multi-turn":
         return datasets.multi_turn_dataset(
@@ -105,7 +105,7 @@ def build_dataset(args: argparse.Namespace, source: TextSource) -> list[BenchReq
             args.multi_turn_turns,
             args.multi_turn_turn_len,
             args.output_len,
-            args.seed,
+            seed,
         )
     if args.dataset_path is None:
         raise ValueError("--dataset file needs --dataset-path")
@@ -122,27 +122,36 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     source = TextSource(load_tokenizer(args.tokenizer) if args.tokenizer else None)
-    requests = datasets.take(build_dataset(args, source), args.num_prompts)
     model = args.model or first_model(args.base_url, args.api_key)
     endpoint = EndpointConfig(
         args.base_url, model, args.endpoint, args.ignore_eos, args.temperature, args.api_key,
         args.timeout,
     )  # fmt: skip
-    bodies = [request_body(endpoint, source, r) for r in requests]
-    prompt_lens = [source.prompt_len(r.messages, args.endpoint) for r in requests]
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     runs = []
-    for rate in args.sweep_rates or [args.request_rate]:
-        load = LoadConfig(rate, args.max_concurrency, args.seed, not args.disable_tqdm)
-        outcome = asyncio.run(run_load(endpoint, bodies, prompt_lens, load))
-        record: dict[str, Any] = {"request_rate": rate, "max_concurrency": args.max_concurrency}
-        record.update(summarize(outcome.results, outcome.duration, slo, args.metric_percentiles))
+    for k, rate in enumerate(args.sweep_rates or [args.request_rate]):
+        # Each rate of a sweep draws its own prompts, so that one rate's prompts are not
+        # served from the prefix cache that the previous rate filled.
+        record = _run_rate(args, endpoint, source, rate, args.seed + k)
         print(format_table(record, f"Serving benchmark, rate {rate:g}/s"))
-        if args.save_detailed:
-            record["details"] = details(outcome.results)
         runs.append(record)
     _write(args, {**vars(args), "model": model}, runs)
     return 0 if any(run["completed"] for run in runs) else 1
+
+
+def _run_rate(
+    args: argparse.Namespace, endpoint: EndpointConfig, source: TextSource, rate: float, seed: int
+) -> dict[str, Any]:
+    requests = datasets.take(build_dataset(args, source, seed), args.num_prompts)
+    bodies = [request_body(endpoint, source, r) for r in requests]
+    prompt_lens = [source.prompt_len(r.messages, endpoint.endpoint) for r in requests]
+    load = LoadConfig(rate, args.max_concurrency, seed, not args.disable_tqdm)
+    outcome = asyncio.run(run_load(endpoint, bodies, prompt_lens, load))
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    record: dict[str, Any] = {"request_rate": rate, "max_concurrency": args.max_concurrency}
+    record.update(summarize(outcome.results, outcome.duration, slo, args.metric_percentiles))
+    if args.save_detailed:
+        record["details"] = details(outcome.results)
+    return record
 
 
 def _write(args: argparse.Namespace, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
