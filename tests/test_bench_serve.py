@@ -166,3 +166,11 @@ def test_all_failed_run_exits_nonzero(tmp_path: Path) -> None:
     result = json.loads(result_file.read_text())
     assert (result["completed"], result["failed"]) == (0, 3)
     assert all(message.startswith("ConnectError") for message in result["errors"])
+
+
+def test_bad_dataset_line_exits_2_with_its_line_number(tmp_path: Path) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    done = bench("--model", "m", "--dataset", "file", "--dataset-path", str(prompts))
+    assert done.returncode == 2
+    assert "line 2" in done.stderr

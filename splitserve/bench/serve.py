@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from splitserve.bench import datasets
 from splitserve.bench.client import EndpointConfig, first_model, request_body
 from splitserve.bench.datasets import BenchRequest
@@ -115,12 +117,14 @@ def build_dataset(args: argparse.Namespace, source: TextSource, seed: int) -> li
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, httpx.HTTPError) as exc:
         print(f"splitserve bench serve: {exc}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise ValueError("--num-prompts and --max-concurrency must be at least 1")
     source = TextSource(load_tokenizer(args.tokenizer) if args.tokenizer else None)
     model = args.model or first_model(args.base_url, args.api_key)
     endpoint = EndpointConfig(
