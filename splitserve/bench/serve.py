@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--model", help="model name to send (default: first of /v1/models)")
     target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    target.add_argument("--tokenizer", help="HF tokenizer dir; counts prompt tokens")
+    target.add_argument("--tokenizer", help="alias, GGUF file or HF dir; counts prompt tokens")
     target.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
     _add_dataset_arguments(parser.add_argument_group("dataset"))
     load = parser.add_argument_group("load")

@@ -43,10 +43,12 @@ class Tokenizer(Protocol):
     ) -> Any: ...
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    from transformers import AutoTokenizer
+def load_tokenizer(name: str) -> Tokenizer:
+    """A model alias (``smollm2-135m-instruct``), a GGUF file or a Hugging Face directory."""
+    from splitserve.engine.loader import load_tokenizer as load
+    from splitserve.engine.loader import resolve_model
 
-    return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
+    return cast(Tokenizer, load(resolve_model(name)))
 
 
 @dataclass(frozen=True)
