@@ -1,0 +1,209 @@
+"""Deployment config: one YAML file describes the whole service.
+
+The file is read into frozen dataclasses; ``--set dotted.key=value`` overrides any field
+before validation (values are parsed as YAML, so ``9000`` is an int and ``[a, b]`` a list).
+Unknown keys and wrongly typed values are errors that name the offending dotted path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from splitserve.engine.config import EngineConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+ROLES = ("both",)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot describe a deployment."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The public HTTP front end and its admission limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8
+    max_queue: int = 256
+    internal_host: str = "127.0.0.1"
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
+        _require(self.max_body_bytes >= 1024, "server.max_body_bytes must be at least 1024")
+        _require(self.max_n >= 1, "server.max_n must be at least 1")
+        _require(self.max_queue >= 1, "server.max_queue must be at least 1")
+        _require(all(self.api_keys), "server.api_keys must not contain empty keys")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The per-pool engine knobs; model and device come from the deployment and the pool."""
+
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A set of identical workers. role: which stages of a request its workers run."""
+
+    role: str = "both"
+    replicas: int = 1
+    device: str = "cpu"
+    num_cpus: float = 1.0
+    num_threads: int = 0
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    def __post_init__(self) -> None:
+        _require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
+        _require(self.replicas >= 1, "replicas must be at least 1")
+        _require(self.num_cpus >= 0, "num_cpus must be non-negative")
+        _require(self.num_threads >= 0, "num_threads must be non-negative (0 = all cores)")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """address=None starts a private local Ray; otherwise join that cluster ("auto" works)."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    model: str = "smollm2-135m-instruct"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    pools: Mapping[str, PoolConfig] = field(default_factory=lambda: {"worker": PoolConfig()})
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model must not be empty")
+        _require(len(self.pools) >= 1, "pools must define at least one pool")
+        for name in self.pools:
+            try:
+                self.engine_config(name)
+            except ValueError as exc:
+                raise ValueError(f"pools.{name}.engine: {exc}") from exc
+
+    def engine_config(self, pool: str) -> EngineConfig:
+        """The EngineConfig for one replica of ``pool``."""
+        spec = self.pools[pool]
+        settings = dataclasses.asdict(spec.engine)
+        return EngineConfig(model=self.model, device=spec.device, **settings)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DeployConfig:
+    """Read ``path`` (default configs/local.yaml), apply ``key=value`` overrides, validate."""
+    raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG, path is None)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        set_dotted(raw, key.strip(), yaml.safe_load(value))
+    return build(DeployConfig, raw, "")
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``raw[a][b][c] = value`` for ``key == "a.b.c"``, creating mappings on the way."""
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, path: str) -> Any:
+    """Turn a YAML mapping into the dataclass ``cls``, checking names and types."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {_join(path, str(unknown[0]))} (known: {sorted(names)})")
+    values = {name: _coerce(hints[name], value, _join(path, name)) for name, value in raw.items()}
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from exc
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, {} if value is None else value, path)  # type: ignore[arg-type]
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, path)
+    if origin is Mapping or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} must be a mapping")
+        return {str(k): _coerce(args[1], v, _join(path, str(k))) for k, v in value.items()}
+    if origin is tuple:
+        items = [] if value is None else value
+        if not isinstance(items, list | tuple):
+            raise ConfigError(f"{path} must be a list")
+        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(items))
+    return _scalar(tp, value, path)
+
+
+def _scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{path} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:
+    if is_default and not path.exists():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    return data
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,56 @@
+"""The FastAPI app: OpenAI routes plus /health and /metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from splitserve.services.api import chat, completions
+from splitserve.services.api.auth import check_api_key
+from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
+from splitserve.services.api.serving import ServerState, get_state
+from splitserve.services.metrics import CONTENT_TYPE
+
+_CREATED = int(time.time())
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """An app serving ``state``; the caller starts ``state.client`` on the serving loop."""
+    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.add_api_route(
+        "/v1/models", list_models, methods=["GET"], dependencies=[Depends(check_api_key)]
+    )
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": "splitserve",
+        "max_model_len": state.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+async def health(request: Request) -> Response:
+    """200 only when every worker has sent a recent heartbeat."""
+    client = get_state(request).client
+    body = {"status": "ok" if client.ready else "unavailable", "workers_ready": client.num_ready}
+    return JSONResponse(body, status_code=200 if client.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,124 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status.
+
+Every failure path of the app ends here, so a bad request gets a clear answer and the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("splitserve.api")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    body = error_body(exc.message, exc.type, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Turn validation errors, HTTP errors and crashes into OpenAI error bodies."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_from_validation(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, "internal server error", "server_error"))
+
+
+def _from_validation(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid" or (loc == [] and first.get("type") != "missing"):
+        return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    message = str(first.get("msg", "invalid request"))
+    message = message.removeprefix("Value error, ")
+    param = _param_name(loc)
+    if param:
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _param_name(loc: list[str]) -> str | None:
+    """'messages.0.content' style names, without pydantic's union branch labels."""
+    parts = [p for p in loc if not (p.startswith(("list[", "str", "int")) or "[" in p)]
+    return ".".join(parts) or None
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` before they are buffered (400)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(400, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than the limit of {self.max_bytes} bytes"
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(APIError(400, self._message(), code="body_too_large"))
+        await response(scope, receive, send)

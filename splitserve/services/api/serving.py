@@ -1,0 +1,195 @@
+"""What chat and completions share: server state, checks, fan-out of `n`, collecting output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from splitserve.config import DeployConfig
+from splitserve.engine.request import SamplingParams
+from splitserve.services.api.client import (
+    EngineRequestError,
+    QueueFullError,
+    RequestGroup,
+    WorkerClient,
+)
+from splitserve.services.api.errors import APIError, error_body
+from splitserve.services.api.protocol import SamplingFields
+from splitserve.services.messages import TokenDelta, TokenLogprob
+from splitserve.services.metrics import Metrics
+
+DISCONNECT_POLL_S = 0.25
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    config: DeployConfig
+    tokenizer: Any
+    client: WorkerClient
+    metrics: Metrics
+    max_model_len: int
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_n(state: ServerState, n: int) -> None:
+    if n > state.config.server.max_n:
+        bound = state.config.server.max_n
+        raise APIError(400, f"n: must be at most {bound}", param="n", code="invalid_value")
+
+
+def sampling_params(
+    state: ServerState,
+    body: SamplingFields,
+    limit: int | None,
+    prompt_len: int,
+    logprobs: int | None,
+) -> SamplingParams:
+    """The engine's parameters for one choice; 400 when the prompt and limit do not fit."""
+    room = state.max_model_len - prompt_len
+    max_tokens = limit if limit is not None else room
+    if max_tokens > room or room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {state.max_model_len} tokens. However, "
+            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            stop=body.stop_list(),
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def submit(
+    state: ServerState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], n: int
+) -> RequestGroup:
+    """Fan out prompts x n choices (choice index = prompt * n + i; seed + i per choice)."""
+    base = uuid.uuid4().hex
+    requests = []
+    for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+        for i in range(n):
+            seed = None if prompt_params.seed is None else prompt_params.seed + i
+            choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
+            requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
+    try:
+        return state.client.submit(requests)
+    except QueueFullError as exc:
+        state.metrics.requests_rejected.labels(state.model_name, "queue_full").inc()
+        raise APIError(
+            503,
+            str(exc),
+            "server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from exc
+
+
+@dataclass
+class Choice:
+    """One choice's output, accumulated from deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, delta: TokenDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+
+
+async def collect(request: Request, group: RequestGroup, num_choices: int) -> list[Choice]:
+    """Wait for every choice to finish; aborts the group if the client goes away."""
+    choices = [Choice() for _ in range(num_choices)]
+
+    async def drain() -> None:
+        async for index, delta in group:
+            choices[index].add(delta)
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", code="client_disconnected")
+        task.result()
+    except EngineRequestError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+    finally:
+        group.close()
+    return choices
+
+
+def usage(prompts: Sequence[list[int]], choices: Sequence[Choice]) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once, every choice's tokens counted."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_text(state: ServerState, entry: TokenLogprob) -> str:
+    if entry.decoded_token is not None:
+        return entry.decoded_token
+    return str(state.tokenizer.decode([entry.token_id]))
+
+
+def top_entries(position: list[TokenLogprob], n: int) -> list[TokenLogprob]:
+    """The n most likely tokens at a position (the sampled token may or may not be among them)."""
+    return sorted(position, key=lambda e: e.rank)[:n]
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    return sse(error_body(str(exc), "invalid_request_error", None, "invalid_value"))
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

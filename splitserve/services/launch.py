@@ -1,0 +1,226 @@
+"""`splitserve serve`: read the config, start Ray and the workers, serve HTTP until stopped.
+
+The process layout: this process runs the API server (uvicorn, tokenizer, chat templates);
+every worker replica is a Ray actor in its own process with one engine. Requests and tokens
+move over ZMQ as msgpack messages (services/messages.py). SIGINT or SIGTERM stops uvicorn,
+the workers and, when this process started it, Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from splitserve.config import ConfigError, DeployConfig, load_config
+
+READY_TIMEOUT_S = 60.0
+OBJECT_STORE_BYTES = 128 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="deployment YAML (default: local.yaml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field by its dotted path, e.g. server.port=9000",
+    )
+    parser.add_argument("--host", default=None, help="shorthand for --set server.host=HOST")
+    parser.add_argument("--port", type=int, default=None, help="shorthand for server.port")
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.host is not None:
+        overrides.append(f"server.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"server.port={args.port}")
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"splitserve: config error: {exc}", file=sys.stderr)
+        return 2
+    deployment = Deployment(config)
+    with _signals_interrupt():
+        try:
+            deployment.start()
+            asyncio.run(_serve(deployment))
+        except KeyboardInterrupt:
+            pass
+        except WorkerStartError as exc:
+            print(f"splitserve: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            deployment.stop()
+    return 0
+
+
+class WorkerStartError(RuntimeError):
+    """A worker could not load its engine or did not come up."""
+
+
+class Deployment:
+    """Ray, the worker actors and the API server's tokenizer: everything but the HTTP loop."""
+
+    def __init__(self, config: DeployConfig) -> None:
+        self.config = config
+        self.actors: list[Any] = []
+        self.workers: list[dict[str, Any]] = []
+        self.tokenizer: Any = None
+        self._owns_ray = False
+
+    @property
+    def max_model_len(self) -> int:
+        return min(info["max_model_len"] for info in self.workers)
+
+    def start(self) -> None:
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(_load_tokenizer, self.config.model)
+            self._start_ray()
+            self._start_workers()
+            self.tokenizer = tokenizer.result()
+
+    def _start_ray(self) -> None:
+        import ray
+
+        if self.config.ray.address is not None:
+            ray.init(address=self.config.ray.address, logging_level=logging.WARNING)
+            return
+        needed = sum(p.num_cpus * p.replicas for p in self.config.pools.values())
+        num_cpus = self.config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+        )
+        self._owns_ray = True
+
+    def _start_workers(self) -> None:
+        import dataclasses
+
+        import ray
+
+        from splitserve.services.workers import EngineWorker
+
+        actor_class = ray.remote(EngineWorker)
+        for name, pool in self.config.pools.items():
+            engine = dataclasses.asdict(self.config.engine_config(name))
+            for i in range(pool.replicas):
+                actor = actor_class.options(
+                    name=f"splitserve-{name}-{i}",
+                    num_cpus=pool.num_cpus,
+                    num_gpus=1 if pool.device.startswith("cuda") else 0,
+                ).remote(
+                    f"{name}-{i}",
+                    pool.role,
+                    engine,
+                    self.config.server.internal_host,
+                    pool.num_threads or os.cpu_count() or 1,
+                )
+                self.actors.append(actor)
+        try:
+            self.workers = ray.get([a.start.remote() for a in self.actors])
+        except ray.exceptions.RayError as exc:
+            raise WorkerStartError(f"a worker failed to start: {exc}") from exc
+
+    def stop(self) -> None:
+        """Stop the workers and Ray; safe to call after a partial start."""
+        if not self.actors and not self._owns_ray:
+            return
+        import ray
+
+        for actor in self.actors:
+            with suppress(ray.exceptions.RayError):
+                ray.get(actor.stop.remote(), timeout=10)
+            ray.kill(actor)
+        self.actors = []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def _load_tokenizer(model: str) -> Any:
+    from splitserve.engine.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(model))
+
+
+async def _serve(deployment: Deployment) -> None:
+    import uvicorn
+
+    from splitserve.services.api.app import build_app
+    from splitserve.services.api.client import WorkerClient, WorkerEndpoint
+    from splitserve.services.api.serving import ServerState
+    from splitserve.services.metrics import Metrics
+
+    config = deployment.config
+    metrics = Metrics(config.model)
+    endpoints = [
+        WorkerEndpoint(w["worker_id"], w["request_addr"], w["output_addr"])
+        for w in deployment.workers
+    ]
+    client = WorkerClient(endpoints, config.server.max_queue, metrics)
+    client.start()
+    state = ServerState(config, deployment.tokenizer, client, metrics, deployment.max_model_len)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(state),
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    serving = asyncio.create_task(server.serve())
+    try:
+        await _announce_when_ready(server, client, serving, config)
+        await serving
+    finally:
+        await client.close()
+
+
+async def _announce_when_ready(
+    server: Any, client: Any, serving: asyncio.Task[None], config: DeployConfig
+) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not (server.started and client.ready):
+        if serving.done():
+            return
+        if time.monotonic() > deadline:
+            raise WorkerStartError("workers did not report in time")
+        await asyncio.sleep(0.05)
+    url = f"http://{config.server.host}:{config.server.port}"
+    print(f"splitserve ready: {url} (model {config.model})", flush=True)
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so that one cleanup path handles both.
+
+    uvicorn replaces these handlers while it serves and re-raises the signal after it has
+    shut down, which lands here.
+    """
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

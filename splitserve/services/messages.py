@@ -1,0 +1,155 @@
+"""Typed messages between the API server and the workers, msgpack over ZMQ.
+
+Every message is a dataclass; on the wire it is ``[type name, [field values...]]``, nested
+dataclasses as value lists too. Decoding accepts only the types registered here, so a socket
+never deserialises anything but plain msgpack values (no pickle, no arbitrary classes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import msgpack
+
+from splitserve.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """API server -> worker: start generating for an already tokenized prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """API server -> worker: stop these requests and free their KV blocks."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one request gained since its previous delta.
+
+    logprobs[i] belongs to token_ids[i]: the sampled token first, then the top alternatives.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[TokenLogprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Worker -> API server: the engine rejected a request (for example, too long)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class OutputBatch:
+    """Worker -> API server: everything one engine step produced, and errors since the last."""
+
+    deltas: list[TokenDelta]
+    errors: list[RequestError]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Worker -> API server, a few times a second: load and KV occupancy (also a heartbeat)."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+
+
+Message = GenerateRequest | AbortRequest | OutputBatch | WorkerStats
+_TYPES: dict[str, type] = {
+    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, OutputBatch, WorkerStats)
+}
+
+_SCALARS: dict[type, tuple[type, ...]] = {
+    int: (int,),
+    float: (float, int),
+    str: (str,),
+    bool: (bool,),
+}
+
+
+def encode(message: Message) -> bytes:
+    """Serialise a registered message to msgpack bytes."""
+    if type(message).__name__ not in _TYPES:
+        raise TypeError(f"{type(message).__name__} is not a message type")
+    return msgpack.packb([type(message).__name__, _to_wire(message)], use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Parse bytes produced by ``encode``; ValueError on anything else."""
+    try:
+        name, body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        cls = _TYPES[name]
+        return typing.cast(Message, _from_wire(cls, body))
+    except (ValueError, TypeError, KeyError, msgpack.ExtraData) as exc:
+        raise ValueError(f"malformed message: {exc}") from exc
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, list | tuple):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def _from_wire(tp: Any, value: Any) -> Any:
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        names, hints = _fields(tp)
+        if not isinstance(value, list) or len(value) != len(names):
+            raise ValueError(f"{tp.__name__} expects {len(names)} fields")
+        return tp(**{n: _from_wire(hints[n], v) for n, v in zip(names, value, strict=True)})
+    origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {type(value).__name__}")
+        return [_from_wire(typing.get_args(tp)[0], v) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _from_wire(inner[0], value) if len(inner) == 1 else value
+    if tp in _SCALARS and not isinstance(value, _SCALARS[tp]):
+        raise ValueError(f"expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+@cache
+def _fields(cls: type) -> tuple[tuple[str, ...], dict[str, Any]]:
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return names, typing.get_type_hints(cls)

@@ -1,0 +1,195 @@
+"""Workers: one engine each, driven by messages from the API server.
+
+``EngineWorker`` is a plain class so that it can be tested without Ray; the launcher turns it
+into a Ray actor. Its loop runs in a thread of the actor process: drain the request socket,
+run one engine step, push the token deltas back, and report stats a few times a second.
+The role decides which stages of a request the worker runs; only ``both`` (colocated
+prefill and decode) exists so far.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.request import RequestOutput
+from splitserve.services import messages as msg
+
+STATS_INTERVAL_S = 0.2
+IDLE_POLL_MS = 50
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the API server needs to know about a started worker (plain values only)."""
+
+    worker_id: str
+    role: str
+    model_name: str
+    max_model_len: int
+    request_addr: str
+    output_addr: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class EngineWorker:
+    """A worker of role ``both``: prefill and decode in one engine.
+
+    engine_config is passed as a plain dict so that only plain values cross Ray's control
+    plane; requests and tokens travel as msgpack messages over the two ZMQ sockets it binds.
+    """
+
+    def __init__(
+        self, worker_id: str, role: str, engine_config: dict[str, Any], bind_host: str, threads: int
+    ) -> None:
+        if role != "both":
+            raise ValueError(f"worker role {role!r} is not supported")
+        self.worker_id = worker_id
+        self.role = role
+        self.config = EngineConfig(**engine_config)
+        self.bind_host = bind_host
+        self.threads = threads
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._errors: list[msg.RequestError] = []
+        self._last_stats = 0.0
+
+    def start(self) -> dict[str, Any]:
+        """Load the engine, bind the sockets, start the loop; returns WorkerInfo as a dict."""
+        import torch
+
+        from splitserve.engine.llm_engine import LLMEngine
+
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        self.engine = LLMEngine(self.config)
+        self._ctx = zmq.Context()
+        self._requests = self._ctx.socket(zmq.PULL)
+        self._outputs = self._ctx.socket(zmq.PUSH)
+        self._outputs.setsockopt(zmq.SNDHWM, 0)
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        request_port = self._requests.bind_to_random_port(f"tcp://{self.bind_host}")
+        output_port = self._outputs.bind_to_random_port(f"tcp://{self.bind_host}")
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model_name=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            request_addr=f"tcp://{self.bind_host}:{request_port}",
+            output_addr=f"tcp://{self.bind_host}:{output_port}",
+        ).to_dict()
+
+    def stop(self) -> None:
+        """Stop the loop and close the sockets (requests in flight are dropped)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._ctx.destroy(linger=0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._drain(0 if busy else IDLE_POLL_MS)
+            if self.engine.has_unfinished_requests():
+                self._send_outputs(self.engine.step())
+            elif self._errors:
+                self._send_outputs([])
+            self._maybe_send_stats()
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self._requests.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self._requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(msg.decode(data))
+
+    def _handle(self, message: msg.Message) -> None:
+        if isinstance(message, msg.GenerateRequest):
+            try:
+                self.engine.add_request(
+                    message.request_id, message.prompt_token_ids, message.params
+                )
+            except ValueError as exc:
+                self._errors.append(msg.RequestError(message.request_id, str(exc)))
+                return
+            self._sent[message.request_id] = (0, 0)
+        elif isinstance(message, msg.AbortRequest):
+            for request_id in message.request_ids:
+                self.engine.abort_request(request_id)
+                self._sent.pop(request_id, None)
+            self._last_stats = 0.0
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        deltas = [d for d in (self._delta(o) for o in outputs) if d is not None]
+        if deltas or self._errors:
+            batch = msg.OutputBatch(deltas=deltas, errors=self._errors)
+            self._errors = []
+            self._outputs.send(msg.encode(batch))
+
+    def _delta(self, output: RequestOutput) -> msg.TokenDelta | None:
+        if output.request_id not in self._sent:
+            return None
+        text_len, num_tokens = self._sent[output.request_id]
+        completion = output.outputs[0]
+        if output.finished:
+            del self._sent[output.request_id]
+            self._last_stats = 0.0
+        else:
+            self._sent[output.request_id] = (len(completion.text), len(completion.token_ids))
+        return msg.TokenDelta(
+            request_id=output.request_id,
+            text=completion.text[text_len:],
+            token_ids=list(completion.token_ids[num_tokens:]),
+            logprobs=_wire_logprobs(completion.logprobs, completion.token_ids, num_tokens),
+            finish_reason=completion.finish_reason if output.finished else None,
+            stop_reason=completion.stop_reason if output.finished else None,
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_INTERVAL_S:
+            return
+        self._last_stats = now
+        s = self.engine.stats()
+        stats = msg.WorkerStats(
+            worker_id=self.worker_id,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            kv_usage=float(s.kv_usage),
+            prompt_tokens_computed=s.prompt_tokens_computed,
+            prompt_tokens_cached=s.prompt_tokens_cached,
+        )
+        self._outputs.send(msg.encode(stats))
+
+
+def _wire_logprobs(
+    logprobs: list[dict[int, Any]] | None, token_ids: list[int], start: int
+) -> list[list[msg.TokenLogprob]] | None:
+    """The new positions' logprobs, the sampled token first, then by rank."""
+    if logprobs is None:
+        return None
+    result = []
+    for position in range(start, len(logprobs)):
+        sampled = token_ids[position]
+        entries = sorted(logprobs[position].items(), key=lambda kv: (kv[0] != sampled, kv[1].rank))
+        result.append(
+            [msg.TokenLogprob(t, float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in entries]
+        )
+    return result
