@@ -14,11 +14,16 @@ import sys
 _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("splitserve.services.launch", "start the OpenAI-compatible service"),
     "bench serve": ("splitserve.bench.serve", "load-test an OpenAI-compatible endpoint"),
-    "bench offline": ("splitserve.bench.offline", "engine prefill/decode throughput vs transformers"),
+    "bench offline": (
+        "splitserve.bench.offline",
+        "engine prefill/decode throughput vs transformers",
+    ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported (a missing one fails alone)."""
+    chosen = " ".join(argv[:2]) if argv[:1] == ["bench"] else " ".join(argv[:1])
     parser = argparse.ArgumentParser(prog="splitserve")
     top = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -32,12 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[parts[0]] = group_parser.add_subparsers(dest="subcommand", required=True)
             sub = groups[parts[0]].add_parser(parts[1], help=help_text)
         sub.set_defaults(_module=module_name)
-        importlib.import_module(module_name).add_arguments(sub)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
 

@@ -18,8 +18,18 @@ Message = dict[str, Any]
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(LLMEngine(EngineConfig(model=model, **engine_args)))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere (for example one sharing a loaded tokenizer)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def generate(

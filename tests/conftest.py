@@ -1,0 +1,57 @@
+"""Shared fixtures: the real SmolLM2 model, its tokenizer and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm import LLM
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.loader import load_tokenizer, resolve_model
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    return resolve_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: str) -> Any:
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
+    """Builds a SmolLM2 LLM with engine overrides, reusing the loaded tokenizer."""
+
+    def build(**overrides: Any) -> LLM:
+        overrides.setdefault("max_model_len", 2048)
+        config = EngineConfig(model=SMOLLM2, **overrides)
+        return LLM.from_engine(LLMEngine(config, tokenizer=smollm2_tokenizer))
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(make_llm: Callable[..., LLM]) -> LLM:
+    return make_llm()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: str) -> Any:
+    """transformers' own Llama loading the same GGUF file, dequantized to float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path),
+        gguf_file=os.path.basename(smollm2_path),
+        dtype=torch.float32,
+    )
+    return model.eval()

@@ -1,0 +1,138 @@
+"""Greedy token ids equal transformers on the same weights: SmolLM2 and tiny random models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from tests.reference import assert_greedy_equal, hf_greedy
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 5, 8, 13,",
+    "The three primary colors are",
+    "Translate to French: Good morning, my friend.",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Water boils at a temperature of",
+    "A haiku about autumn leaves:\n",
+    "Q: What is the largest planet in the solar system?\nA:",
+]
+CHATS = [
+    "What is 12 times 7?",
+    "Write a short poem about the moon.",
+    "Explain what a hash table is in one sentence.",
+    "List three fruits that are red.",
+    "How do I reverse a list in Python?",
+    "Who wrote Romeo and Juliet?",
+    "Give me a tip for sleeping better.",
+    "What does CPU stand for?",
+    "Summarize the plot of Cinderella in two sentences.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_for_20_prompts_in_one_batch(
+    smollm2_llm: LLM, hf_smollm2: Any
+) -> None:
+    tok = smollm2_llm.tokenizer
+    prompts = [tok.encode(p) for p in RAW_PROMPTS]
+    prompts += [smollm2_llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    outputs = smollm2_llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
+    reference = hf_greedy(hf_smollm2, prompts, 64, pad_id=0)
+    equal = [
+        assert_greedy_equal(hf_smollm2, prompt, output.outputs[0].token_ids, ref)
+        for prompt, output, ref in zip(prompts, outputs, reference)
+    ]
+    assert sum(equal) >= 18, f"only {sum(equal)} of 20 sequences wholly equal"
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) > 20 * 16
+
+
+def _save_tiny(model: Any, tokenizer: Any, path: Path) -> str:
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _tiny_llama(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=50000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    return model, _save_tiny(model, tokenizer, path)
+
+
+def _tiny_qwen2(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model, _save_tiny(model, tokenizer, path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiny_random_model_greedy_matches_transformers(
+    family: str, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    build = _tiny_llama if family == "llama" else _tiny_qwen2
+    hf_model, path = build(smollm2_tokenizer, tmp_path / family)
+    llm = LLM(model=path, max_model_len=512, block_size=8)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (5, 17, 40, 90, 130)
+    ]
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    equal = []
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=48,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        equal.append(assert_greedy_equal(hf_model, prompt, output.outputs[0].token_ids, ref))
+    assert all(equal), f"sequences wholly equal: {equal}"
