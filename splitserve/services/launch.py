@@ -15,9 +15,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from typing import Any
 
 from splitserve.config import ConfigError, DeployConfig, load_config
@@ -52,17 +51,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve: config error: {exc}", file=sys.stderr)
         return 2
     deployment = Deployment(config)
-    with _signals_interrupt():
-        try:
-            deployment.start()
-            asyncio.run(_serve(deployment))
-        except KeyboardInterrupt:
-            pass
-        except WorkerStartError as exc:
-            print(f"splitserve: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            deployment.stop()
+    previous = _interrupt_on_signals()
+    try:
+        deployment.start()
+        asyncio.run(_serve(deployment))
+    except KeyboardInterrupt:
+        pass
+    except WorkerStartError as exc:
+        print(f"splitserve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        deployment.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
@@ -92,10 +93,13 @@ class Deployment:
             self.tokenizer = tokenizer.result()
 
     def _start_ray(self) -> None:
+        """Start or join Ray. ray.init installs SIGTERM handlers of its own (a Python one that
+        exits and a native one that aborts), so ours are put back right after it."""
         import ray
 
         if self.config.ray.address is not None:
             ray.init(address=self.config.ray.address, logging_level=logging.WARNING)
+            _interrupt_on_signals()
             return
         needed = sum(p.num_cpus * p.replicas for p in self.config.pools.values())
         num_cpus = self.config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
@@ -106,6 +110,7 @@ class Deployment:
             logging_level=logging.WARNING,
         )
         self._owns_ray = True
+        _interrupt_on_signals()
 
     def _start_workers(self) -> None:
         import dataclasses
@@ -207,20 +212,14 @@ async def _announce_when_ready(
     print(f"splitserve ready: {url} (model {config.model})", flush=True)
 
 
-@contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt, so that one cleanup path handles both.
+def _interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt, so one cleanup path handles both.
 
     uvicorn replaces these handlers while it serves and re-raises the signal after it has
-    shut down, which lands here.
+    shut down, which lands here. Returns the handlers that were installed before.
     """
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}

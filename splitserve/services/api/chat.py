@@ -23,8 +23,10 @@ router = APIRouter(dependencies=[Depends(check_api_key)])
 def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     """Apply the model's chat template and tokenize, exactly as ``LLM.chat`` does."""
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    ids = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
 
 
 @router.post("/v1/chat/completions")

@@ -25,9 +25,9 @@ DEFAULT_MAX_TOKENS = 16
 def tokenize_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
     """Normalise the four prompt forms to a list of token id lists."""
     if isinstance(prompt, str):
-        return [list(tokenizer.encode(prompt, add_special_tokens=False))]
+        return [list(tokenizer.encode(prompt))]
     if all(isinstance(p, str) for p in prompt):
-        return [list(tokenizer.encode(p, add_special_tokens=False)) for p in prompt]
+        return [list(tokenizer.encode(p)) for p in prompt]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return [list(p) for p in prompt]

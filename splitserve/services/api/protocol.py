@@ -51,6 +51,12 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Extensions that vLLM users know (not in OpenAI's API).
+    top_k: int = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:

@@ -1,0 +1,100 @@
+"""Start a real `splitserve serve` process on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def metric(url: str, name: str) -> float:
+    """The value of an unlabelled-or-single-series metric from /metrics."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+@contextmanager
+def serve(*overrides: str) -> Iterator[ServerProcess]:
+    """Run `splitserve serve --set ...` until the block ends, then SIGTERM it (exit code 0)."""
+    port = free_port()
+    command = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
+    for item in overrides:
+        command += ["--set", item]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process)
+    threading.Thread(target=_pump, args=(process, server.lines), daemon=True).start()
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        _stop(process)
+    assert process.returncode == 0, f"exit code {process.returncode}: {server.lines[-10:]}"
+
+
+def _pump(process: subprocess.Popen[str], lines: list[str]) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.append(line)
+
+
+def _wait_ready(server: ServerProcess) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    expected = f"splitserve ready: {server.url} (model smollm2-135m-instruct)\n"
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError("server exited:\n" + "".join(server.lines[-30:]))
+        if expected in server.lines and httpx.get(f"{server.url}/health").status_code == 200:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("server not ready:\n" + "".join(server.lines[-30:]))
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
