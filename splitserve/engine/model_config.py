@@ -94,3 +94,46 @@ class ModelConfig:
             attention_bias=arch == "qwen2",
             rope_scaling=rope_scaling,
         )
+
+
+def _shape(**fields: Any) -> ModelConfig:
+    base: dict[str, Any] = {
+        "architecture": "llama",
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
+        "max_position_embeddings": 8192,
+    }
+    return ModelConfig(**{**base, **fields})
+
+
+SHAPES = {
+    "smollm2-135m": _shape(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": _shape(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}

@@ -1,0 +1,82 @@
+"""The baseline beside every engine number: transformers `generate` on the same inputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from splitserve.engine.loader import SHAPE_PREFIX, is_gguf, is_random_shape
+from splitserve.engine.model_config import SHAPES
+
+
+def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """The same GGUF / HF directory through transformers, or a random model of a shape."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if is_random_shape(path):
+        cfg = SHAPES[path.removeprefix(SHAPE_PREFIX)]
+        config = LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+        with torch.device(device):
+            random_model: Any = LlamaForCausalLM(config)
+        return random_model.to(dtype=dtype).eval()
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if is_gguf(path):
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(os.path.abspath(path))
+    model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(device=device).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_throughput(
+    model: Any, prompts: list[list[int]], output_len: int, device: torch.device
+) -> dict[str, float]:
+    """Greedy generate of 1 token (prefill) and of output_len tokens; decode is the difference."""
+    input_ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(input_ids)
+
+    def generate(tokens: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        _sync(device)
+        return time.perf_counter() - start
+
+    generate(2)
+    prefill_s = generate(1)
+    total_s = generate(output_len)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": input_ids.numel() / prefill_s,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": len(prompts) * (output_len - 1) / decode_s,
+        "e2e_tokens_per_s": len(prompts) * output_len / total_s,
+    }

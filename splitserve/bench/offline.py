@@ -1,0 +1,180 @@
+"""`splitserve bench offline`: engine prefill / decode throughput with MBU and MFU, beside
+transformers `generate` on the same model and token ids, in one run, written as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--shape", default=None, help="random weights of a shape: llama3-8b, ...")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=0, help="also time one long prefill")
+    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-dir", default="benchmarks/results")
+    parser.add_argument("--result-file", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = benchmark(args)
+    path = _result_path(args, result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    print(f"wrote {path}")
+    return 0
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from splitserve.bench.hf_baseline import hf_throughput, load_hf_model
+    from splitserve.bench.report import header
+    from splitserve.bench.roofline import measure_ceilings
+    from splitserve.engine.llm import LLM
+    from splitserve.engine.loader import resolve_model
+
+    model = f"shape:{args.shape}" if args.shape else args.model
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    longest = max(args.input_len + args.output_len, args.prefill_len + 1)
+    llm = LLM(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_model_len=longest + 16,
+        max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=max(args.prefill_len, 2048),
+    )
+    runner = llm.engine.runner
+    ceilings = measure_ceilings(runner.device, runner.dtype)
+    result = header(vars(args) | {"model": model})
+    result["device_name"] = _device_name(runner.device)
+    result["dtype"] = str(runner.dtype).removeprefix("torch.")
+    result["ceilings"] = {
+        "bandwidth_gb_per_s": ceilings.bandwidth_bytes_per_s / 1e9,
+        "matmul_tflops": ceilings.matmul_flops_per_s / 1e12,
+    }
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = llm.engine.model_config.vocab_size
+    hf = (
+        None
+        if args.no_baseline
+        else load_hf_model(resolve_model(model), runner.device, runner.dtype)
+    )
+    rows = []
+    for batch in batch_sizes:
+        prompts = torch.randint(100, vocab, (batch, args.input_len), generator=generator).tolist()
+        row: dict[str, Any] = {
+            "batch": batch,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+        }
+        row["splitserve"] = engine_throughput(llm, prompts, args.output_len, ceilings)
+        if hf is not None:
+            row["transformers"] = hf_throughput(hf, prompts, args.output_len, runner.device)
+            row["speedup_decode"] = (
+                row["splitserve"]["decode_tokens_per_s"]
+                / row["transformers"]["decode_tokens_per_s"]
+            )
+        rows.append(row)
+    result["decode"] = rows
+    if args.prefill_len:
+        prompt = torch.randint(100, vocab, (1, args.prefill_len), generator=generator).tolist()
+        result["prefill"] = engine_throughput(llm, prompt, 1, ceilings)
+    return result
+
+
+def engine_throughput(
+    llm: Any, prompts: list[list[int]], output_len: int, ceilings: Any
+) -> dict[str, float]:
+    """Times the prefill phase (until every request has its first token) and the decode phase."""
+    from splitserve.bench.roofline import decode_step_bytes, prefill_flops
+    from splitserve.engine.request import SamplingParams
+
+    engine = llm.engine
+    warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate([prompts[0][:8]], warm, use_tqdm=False)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{index}", prompt, params)
+    start = time.perf_counter()
+    started: set[str] = set()
+    first_token_at = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            started.add(output.request_id)
+        if first_token_at is None and len(started) == len(prompts):
+            first_token_at = time.perf_counter()
+    end = time.perf_counter()
+    assert first_token_at is not None
+    cfg, element = engine.model_config, engine.runner.kv_cache.element_size()
+    batch, input_len = len(prompts), len(prompts[0])
+    prefill_s, decode_s = first_token_at - start, max(end - first_token_at, 1e-9)
+    steps = output_len - 1
+    mean_context = input_len + output_len / 2
+    stats: dict[str, float] = {
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": batch * input_len / prefill_s,
+        "mfu_prefill": batch
+        * prefill_flops(cfg, input_len)
+        / prefill_s
+        / ceilings.matmul_flops_per_s,
+    }
+    if steps:
+        step_bytes = decode_step_bytes(cfg, element, batch, int(mean_context))
+        stats |= {
+            "decode_s": decode_s,
+            "decode_tokens_per_s": batch * steps / decode_s,
+            "mbu_decode": step_bytes * steps / decode_s / ceilings.bandwidth_bytes_per_s,
+        }
+    return stats
+
+
+def _device_name(device: Any) -> str:
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def _result_path(args: argparse.Namespace, result: dict[str, Any]) -> Path:
+    if args.result_file:
+        return Path(args.result_file)
+    tag = "cpu" if args.device == "cpu" else "gpu"
+    name = (args.shape or args.model).replace("/", "_")
+    return Path(args.result_dir) / f"{tag}-offline-{name}.json"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"device {result['device_name']}  dtype {result['dtype']}  "
+        f"bw {result['ceilings']['bandwidth_gb_per_s']:.1f} GB/s  "
+        f"matmul {result['ceilings']['matmul_tflops']:.2f} TFLOP/s",
+        f"{'batch':>5} {'splitserve tok/s':>17} {'MBU':>6} {'transformers tok/s':>19} {'x':>6}",
+    ]
+    for row in result["decode"]:
+        ours = row["splitserve"]
+        base = row.get("transformers", {}).get("decode_tokens_per_s", float("nan"))
+        lines.append(
+            f"{row['batch']:>5} {ours['decode_tokens_per_s']:>17.1f} {ours['mbu_decode']:>6.1%} "
+            f"{base:>19.1f} {row.get('speedup_decode', float('nan')):>6.2f}"
+        )
+    if "prefill" in result:
+        p = result["prefill"]
+        lines.append(f"prefill {p['prefill_tokens_per_s']:.0f} tok/s  MFU {p['mfu_prefill']:.1%}")
+    return "\n".join(lines)

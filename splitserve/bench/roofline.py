@@ -1,0 +1,84 @@
+"""Device ceilings measured in the run, and the traffic / work a model step must do.
+
+MBU = achieved bytes/s over the measured copy bandwidth; MFU = achieved FLOP/s over the
+measured matmul throughput. Both ceilings come from the same process as the result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
+    """Copy bandwidth (read + write bytes) and square-matmul throughput in dtype."""
+    gpu = device.type == "cuda"
+    numel = (1 << 30 if gpu else 1 << 27) // 4
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_time(lambda: dst.copy_(src), device, 10 if gpu else 5)
+    bandwidth = 2 * src.numel() * src.element_size() / seconds
+    n = 8192 if gpu else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _best_time(lambda: a @ b, device, 10 if gpu else 3)
+    return Ceilings(bandwidth, 2 * n**3 / seconds)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights touched by the transformer layers' matmuls (embeddings excluded)."""
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def weight_bytes(cfg: ModelConfig, element_size: int) -> int:
+    """Bytes a decode step reads: layer weights, the LM head and the norms."""
+    head = cfg.hidden_size * cfg.vocab_size
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    return (matmul_params(cfg) + head + norms) * element_size
+
+
+def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
+def decode_step_bytes(cfg: ModelConfig, element_size: int, batch: int, context: int) -> int:
+    return weight_bytes(cfg, element_size) + batch * context * kv_bytes_per_token(cfg, element_size)
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """FLOPs of one causal prefill of `tokens` tokens (logits for the last token only)."""
+    linear = 2.0 * matmul_params(cfg) * tokens + 2.0 * cfg.hidden_size * cfg.vocab_size
+    attention = 2.0 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
+    return linear + attention
