@@ -18,7 +18,8 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
 
     if is_random_shape(path):
         cfg = SHAPES[path.removeprefix(SHAPE_PREFIX)]
-        config = LlamaConfig(
+        config_class: Any = LlamaConfig
+        config = config_class(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
