@@ -83,7 +83,8 @@ def _from_validation(exc: RequestValidationError) -> APIError:
 
 def _param_name(loc: list[str]) -> str | None:
     """'messages.0.content' style names, without pydantic's union branch labels."""
-    parts = [p for p in loc if not (p.startswith(("list[", "str", "int")) or "[" in p)]
+    tags = {"str", "int", "float", "bool", "list", "dict", "none"}
+    parts = [p for p in loc if p not in tags and "[" not in p and "-" not in p]
     return ".".join(parts) or None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix")
 
@@ -107,14 +107,12 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    @model_validator(mode="after")
-    def _check_prompt(self) -> CompletionRequest:
-        prompt: Any = self.prompt
-        if isinstance(prompt, list) and (len(prompt) == 0 or any(p in ("", []) for p in prompt)):
-            raise ValueError("prompt must not be empty")
-        if prompt == "":
-            raise ValueError("prompt must not be empty")
-        return self
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        if prompt in ("", []) or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+            raise ValueError("must not be empty")
+        return prompt
 
     @property
     def token_limit(self) -> int | None:
