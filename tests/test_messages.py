@@ -1,0 +1,75 @@
+"""Typed messages survive msgpack round trips; anything else is refused, nothing is unpickled."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import pytest
+
+from splitserve.engine.request import SamplingParams
+from splitserve.services import messages as msg
+
+
+def test_generate_request_round_trips_with_sampling_params() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=7, stop=["\n"], seed=3, logprobs=2)
+    message = msg.GenerateRequest("r-1", [1, 2, 3], params)
+    decoded = msg.decode(msg.encode(message))
+    assert decoded == message
+    assert isinstance(decoded, msg.GenerateRequest)
+    assert isinstance(decoded.params, SamplingParams)
+
+
+def test_output_batch_round_trips_nested_deltas_and_errors() -> None:
+    delta = msg.TokenDelta(
+        request_id="r-1",
+        text="é🎉",
+        token_ids=[5, 6],
+        logprobs=[[msg.TokenLogprob(5, -0.5, 1, "é")], [msg.TokenLogprob(6, -1.0, 2, None)]],
+        finish_reason="stop",
+        stop_reason="\n",
+        num_prompt_tokens=4,
+        num_cached_tokens=0,
+    )
+    batch = msg.OutputBatch([delta], [msg.RequestError("r-2", "too long")])
+    assert msg.decode(msg.encode(batch)) == batch
+
+
+def test_stats_and_abort_round_trip() -> None:
+    stats = msg.WorkerStats("w-0", 1, 2, 3, 4, 0.25, 10, 5)
+    abort = msg.AbortRequest(["a", "b"])
+    assert msg.decode(msg.encode(stats)) == stats
+    assert msg.decode(msg.encode(abort)) == abort
+
+
+def test_wire_format_is_type_name_and_field_values() -> None:
+    raw = msgpack.unpackb(msg.encode(msg.AbortRequest(["a"])))
+    assert raw == ["AbortRequest", [["a"]]]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pickle.dumps(msg.AbortRequest(["a"])),
+        msgpack.packb(["Exploit", []]),
+        msgpack.packb(["AbortRequest", []]),
+        msgpack.packb(["AbortRequest", ["not a list"]]),
+        msgpack.packb(["WorkerStats", ["w", "1", 2, 3, 4, 0.5, 1, 1]]),
+        b"\xc1",
+    ],
+)
+def test_anything_but_a_registered_message_is_refused(data: bytes) -> None:
+    with pytest.raises(ValueError, match="malformed message"):
+        msg.decode(data)
+
+
+def test_invalid_sampling_params_are_refused_on_decode() -> None:
+    raw = msgpack.unpackb(msg.encode(msg.GenerateRequest("r", [1], SamplingParams())))
+    raw[1][2][1] = 5.0  # temperature
+    with pytest.raises(ValueError):
+        msg.decode(msgpack.packb(raw))
+
+
+def test_only_message_types_can_be_encoded() -> None:
+    with pytest.raises(TypeError):
+        msg.encode(SamplingParams())  # type: ignore[arg-type]
