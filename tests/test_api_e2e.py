@@ -224,6 +224,15 @@ def test_disconnect_mid_stream_frees_kv_blocks(server: ServerProcess) -> None:
     assert metric(server.url, "splitserve:num_requests_admitted") == 0
 
 
+def test_disconnect_during_non_streamed_request_aborts_it(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.api}/completions", json=body, timeout=2.0)
+    wait_for(lambda: metric(server.url, "splitserve:num_requests_admitted") == 0)
+    total = metric(server.url, "splitserve:kv_cache_total_blocks")
+    wait_for(lambda: metric(server.url, "splitserve:kv_cache_free_blocks") == total)
+
+
 def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "workers_ready": 1}
