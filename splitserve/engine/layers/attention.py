@@ -159,4 +159,8 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     if name == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r} (available: torch)")
+    if name == "triton":  # imported here so that the package imports without Triton
+        from splitserve.engine.layers.triton_attention import TritonAttention
+
+        return TritonAttention(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r} (available: torch, triton)")

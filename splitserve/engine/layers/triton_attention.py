@@ -1,0 +1,100 @@
+"""Attention backend on the Triton kernels of ``splitserve.kernels``.
+
+The K/V write, paged decode attention and varlen paged prefill attention each run as one launch
+for the whole step. The prefill kernel takes the step's prefill segments as tensors (row starts,
+lengths, context lengths, a padded block table); they are built once per step, on the first
+layer that sees the metadata, and reused by the other layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.kernels.decode_attention import paged_decode_attention
+from splitserve.kernels.kv_write import write_kv_cache
+from splitserve.kernels.prefill_attention import paged_prefill_attention
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """The prefill segments of one step as kernel arguments."""
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_q_len: int
+
+    @staticmethod
+    def from_metadata(meta: AttentionMetadata, device: torch.device) -> PrefillBatch:
+        segs = meta.prefills
+        rows = torch.tensor(
+            [[s.start, s.length, s.context_len] for s in segs], dtype=torch.long
+        ).to(device, non_blocking=True)
+        tables = pad_sequence([s.block_table.to(device) for s in segs], batch_first=True)
+        return PrefillBatch(
+            q_starts=rows[:, 0],
+            q_lens=rows[:, 1],
+            context_lens=rows[:, 2],
+            block_tables=tables.contiguous(),
+            max_q_len=max(s.length for s in segs),
+        )
+
+
+class TritonAttention(AttentionBackend):
+    """Triton kernels for the K/V write, decode and prefill; CUDA, or CPU under the interpreter."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._meta: AttentionMetadata | None = None
+        self._prefill: PrefillBatch | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        n = meta.num_decode_tokens
+        if n:
+            paged_decode_attention(
+                q[:n],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                out=out[:n],
+            )
+        if meta.prefills:
+            batch = self._prefill_batch(meta, q.device)
+            paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.q_starts,
+                batch.q_lens,
+                batch.context_lens,
+                batch.max_q_len,
+                self.scale,
+                out=out,
+            )
+        return out
+
+    def _prefill_batch(self, meta: AttentionMetadata, device: torch.device) -> PrefillBatch:
+        # NOTE: every layer of a step gets the same metadata object, so identity is the key.
+        if self._meta is not meta or self._prefill is None:
+            self._prefill = PrefillBatch.from_metadata(meta, device)
+            self._meta = meta
+        return self._prefill

@@ -1,0 +1,188 @@
+"""Paged decode attention: one query token per sequence over its paged KV cache.
+
+Each program takes one (sequence, KV head, split): the query heads of that KV group are the rows
+of one tile (GQA without repeating K/V), and the split's range of context tokens is walked in
+tiles of BLOCK_N tokens gathered through the block table (any block size). With more than one
+split (flash-decoding) each split writes a partial output and its log-sum-exp, and a second
+kernel merges them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table, stride_ot, stride_oh,
+    GROUP: tl.constexpr, PAD_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(lens_ptr + seq).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context)
+
+    g = tl.arange(0, PAD_G)
+    d = tl.arange(0, PAD_D)
+    heads = kv_head * GROUP + g
+    row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask)
+
+    m = tl.full([PAD_G], float("-inf"), tl.float32)
+    l = tl.zeros([PAD_G], tl.float32)  # noqa: E741
+    acc = tl.zeros([PAD_G, PAD_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + n
+        valid = pos < end
+        block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = block.to(tl.int64)
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    safe_l = tl.where(l > 0, l, 1.0)
+    out = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * PAD_D + d[None, :], out, mask=row_mask)
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAD_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, PAD_S)
+    d = tl.arange(0, PAD_D)
+    base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(
+        part_out_ptr + (base + s)[:, None] * PAD_D + d[None, :],
+        mask=(s < NUM_SPLITS)[:, None],
+        other=0.0,
+    )
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    dst = out_ptr + seq * stride_ot + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs: int, max_context: int, device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, each split >= 256 tokens."""
+    want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
+    return max(1, min(want, triton.cdiv(max_context, 256), 32))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
+    (padded); context_lens [B] -> [B, H, D]. Written into ``out`` when given."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    group = num_heads // num_kv_heads
+    splits = num_splits or choose_num_splits(
+        batch * num_kv_heads, block_tables.shape[1] * block_size, q.device
+    )
+    pad_d = max(16, triton.next_power_of_2(head_dim))
+    part_out = part_lse = out
+    if splits > 1:
+        part_out = torch.empty((batch, num_heads, splits, pad_d), device=q.device)
+        part_lse = torch.empty((batch, num_heads, splits), device=q.device)
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, PAD_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, PAD_D=pad_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, PAD_D=pad_d, NUM_SPLITS=splits,
+            PAD_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Full-precision dots for float32 (the default would be TF32 on NVIDIA GPUs)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The torch reference, in float32: a masked softmax over each sequence's gathered context."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    keys = k_cache[block_tables].flatten(1, 2).float()  # [B, L, Hkv, D]
+    values = v_cache[block_tables].flatten(1, 2).float()
+    keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=2)
+    values = values.repeat_interleave(num_heads // num_kv_heads, dim=2)
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), keys) * scale
+    length = keys.shape[1]
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    out = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values)
+    return out.to(q.dtype)
