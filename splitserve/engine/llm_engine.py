@@ -11,6 +11,7 @@ from typing import Any
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
     is_random_shape,
     load_model_config,
@@ -54,28 +55,49 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(config.seed)
+        self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request; ValueError if it can never be served."""
-        if request_id in self.requests:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request; ValueError if it can never be served.
+
+        prefill_only: compute the prompt and sample the first token, then hand the KV over
+        (``pop_prefilled``) instead of decoding here.
+        """
+        req = self._new_request(request_id, prompt, params)
+        req.prefill_only = prefill_only
+        self._register(req)
+        self.scheduler.add(req)
+
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Request:
+        if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
-        req = Request(request_id, token_ids, params, text, self.eos_token_ids)
-        self.requests[request_id] = req
-        self.detokenizers[request_id] = IncrementalDetokenizer(
+        return Request(request_id, token_ids, params, text, self.eos_token_ids)
+
+    def _register(self, req: Request) -> None:
+        params = req.params
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer,
-            token_ids,
+            req.prompt_token_ids,
             params.stop,
             params.skip_special_tokens,
             params.include_stop_str_in_output,
         )
-        self.scheduler.add(req)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -93,6 +115,7 @@ class LLMEngine:
             raise ValueError("the request needs more KV blocks than this worker has")
 
     def abort_request(self, request_id: str) -> None:
+        self.handoff.cancel(request_id)
         req = self.requests.pop(request_id, None)
         self.detokenizers.pop(request_id, None)
         if req is not None:
@@ -111,6 +134,9 @@ class LLMEngine:
         outputs = []
         for i, result in zip(sampled, results):
             req = batch.requests[i]
+            if req.prefill_only:
+                outputs.append(self.handoff.hold(req, result))
+                continue
             self._append(req, result)
             outputs.append(self._output(req))
         return outputs

@@ -69,6 +69,17 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[1, index]
         return num_blocks
 
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of these blocks' K and V: [2, layers, n, block, kv_heads, dim]."""
+        return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
+
+    def scatter_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.dtype)
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        _, layers, _, block, heads, dim = self.kv_cache.shape
+        return (2, layers, num_blocks, block, heads, dim)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns logits of the requests that sample and their batch indices."""

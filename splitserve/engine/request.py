@@ -128,6 +128,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.admitted = False
+        self.prefill_only = False
         self.block_table: list[int] = []
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None

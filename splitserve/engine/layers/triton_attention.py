@@ -32,14 +32,15 @@ class PrefillBatch:
     @staticmethod
     def from_metadata(meta: AttentionMetadata, device: torch.device) -> PrefillBatch:
         segs = meta.prefills
-        rows = torch.tensor(
-            [[s.start, s.length, s.context_len] for s in segs], dtype=torch.long
+        starts, lengths, contexts = torch.tensor(
+            [[s.start for s in segs], [s.length for s in segs], [s.context_len for s in segs]],
+            dtype=torch.long,
         ).to(device, non_blocking=True)
         tables = pad_sequence([s.block_table.to(device) for s in segs], batch_first=True)
         return PrefillBatch(
-            q_starts=rows[:, 0],
-            q_lens=rows[:, 1],
-            context_lens=rows[:, 2],
+            q_starts=starts,
+            q_lens=lengths,
+            context_lens=contexts,
             block_tables=tables.contiguous(),
             max_q_len=max(s.length for s in segs),
         )

@@ -1,0 +1,109 @@
+"""Prefill/decode handoff inside one engine: export a prefilled request's KV, or reserve
+blocks for a request prefilled elsewhere and adopt it once its KV has arrived.
+
+The engine stays transport-agnostic: workers move the tensors (kvstore/transfer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
+from splitserve.engine.sampler import SampleResult
+
+if TYPE_CHECKING:
+    from splitserve.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class Prefilled:
+    """What a prefill worker hands over: the prompt's KV blocks and the first token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv: torch.Tensor
+    first_token: int
+    logprobs: dict[int, Logprob] | None
+    num_cached_tokens: int
+
+
+class KVHandoff:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.prefilled: dict[str, Prefilled] = {}
+        self.reserved: dict[str, Request] = {}
+
+    # Prefill side.
+    def hold(self, req: Request, result: SampleResult) -> RequestOutput:
+        """A prefill_only request sampled its first token: copy its KV out, free its blocks."""
+        engine = self.engine
+        num_blocks = engine.block_manager.blocks_needed(req.num_prompt_tokens)
+        kv = engine.runner.gather_blocks(req.block_table[:num_blocks])
+        self.prefilled[req.request_id] = Prefilled(
+            req.request_id,
+            req.prompt_token_ids,
+            kv,
+            result.token_id,
+            result.logprobs,
+            req.num_cached_tokens,
+        )
+        req.output_token_ids.append(result.token_id)
+        req.finish("prefilled")
+        engine.scheduler.finish(req)
+        engine.requests.pop(req.request_id, None)
+        engine.detokenizers.pop(req.request_id, None)
+        return req.to_output()
+
+    def pop_prefilled(self, request_id: str) -> Prefilled:
+        return self.prefilled.pop(request_id)
+
+    # Decode side.
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+        """Reserve blocks for a prompt prefilled elsewhere; False when none are free now."""
+        req = self.engine._new_request(request_id, prompt_token_ids, params)
+        if not self.engine.block_manager.allocate_slots(req, req.num_prompt_tokens):
+            return False
+        self.reserved[request_id] = req
+        return True
+
+    def receive_buffer(self, request_id: str) -> torch.Tensor:
+        req = self.reserved[request_id]
+        num_blocks = self.engine.block_manager.blocks_needed(req.num_prompt_tokens)
+        runner = self.engine.runner
+        return torch.empty(runner.kv_shape(num_blocks), dtype=runner.dtype, device=runner.device)
+
+    def adopt(
+        self,
+        request_id: str,
+        kv: torch.Tensor,
+        first_token: int,
+        logprobs: dict[int, Logprob] | None = None,
+    ) -> RequestOutput:
+        """Write the received KV into the reserved blocks and continue decoding here."""
+        engine = self.engine
+        req = self.reserved.pop(request_id)
+        num_blocks = kv.shape[2]
+        engine.runner.scatter_blocks(req.block_table[:num_blocks], kv)
+        req.num_computed_tokens = req.num_prompt_tokens
+        engine.block_manager.commit(req)
+        engine._register(req)
+        if req.generator is not None and not req.params.greedy:
+            # The first token's draw happened on the prefill worker: keep the stream in step.
+            torch.empty(engine.model_config.vocab_size).exponential_(generator=req.generator)
+        logprob = None if logprobs is None else logprobs[first_token].logprob
+        engine._append(req, SampleResult(first_token, logprob, logprobs))
+        if not req.is_finished:
+            req.admitted = True
+            engine.scheduler.add(req)
+        return engine._output(req)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a reservation (transfer failed or timed out) and free its blocks."""
+        req = self.reserved.pop(request_id, None)
+        if req is not None:
+            self.engine.block_manager.free(req)
+            self.engine.block_manager.forget(request_id)
+        self.prefilled.pop(request_id, None)

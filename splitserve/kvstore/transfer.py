@@ -1,0 +1,133 @@
+"""KV transport between workers: point-to-point channels over torch.distributed.
+
+There is no fixed world of all workers. Each (sender, receiver) pair gets its own two-rank
+process group, created on demand from a shared rendezvous store (a TCPStore that the service
+hosts) under a key naming the pair and a generation, so workers can come and go and a broken
+channel is simply replaced by the next generation. The sender is rank 0, the receiver rank 1.
+
+Backends: ``nccl`` for CUDA tensors, ``gloo`` for CPU tensors, ``hccl`` for Ascend NPUs through
+torch_npu (written to its documented API, untested here), ``auto`` picks by device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SENDER, RECEIVER = 0, 1
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+
+
+def start_store(host: str) -> tuple[Any, StoreAddress]:
+    """Host the rendezvous store on a free port; keep the returned object alive."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return store, StoreAddress(host, store.port)
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "nccl"
+    if device.type == "npu":
+        return "hccl"
+    return "gloo"
+
+
+class TransferError(RuntimeError):
+    """A channel failed or timed out; the caller drops it and frees what it reserved."""
+
+
+class KVTransport:
+    """This worker's channels to its peers; thread-safe, one process group per pair."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        store: StoreAddress,
+        device: torch.device,
+        backend: str = "auto",
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.device = device
+        self.backend = pick_backend(backend, device)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(
+            store.host, store.port, is_master=False, timeout=self.timeout
+        )
+        self._groups: dict[tuple[str, str, int], Any] = {}
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def send(self, peer: str, generation: int, tensor: torch.Tensor) -> None:
+        """Send a contiguous tensor to peer (blocks until the peer has received it)."""
+        group = self._group(self.worker_id, peer, generation, SENDER)
+        self._wait(group.send([self._staged(tensor)], RECEIVER, 0), peer)
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def recv(self, peer: str, generation: int, out: torch.Tensor) -> None:
+        """Receive into ``out`` (same shape and dtype as what the peer sends)."""
+        group = self._group(peer, self.worker_id, generation, RECEIVER)
+        buffer = self._staged(out)
+        self._wait(group.recv([buffer], SENDER, 0), peer)
+        if buffer is not out:
+            out.copy_(buffer)
+        self.bytes_received += out.numel() * out.element_size()
+
+    def drop(self, sender: str, receiver: str, generation: int) -> None:
+        """Forget a broken channel; the next generation gets a fresh process group."""
+        with self._lock:
+            self._groups.pop((sender, receiver, generation), None)
+
+    def _group(self, sender: str, receiver: str, generation: int, rank: int) -> Any:
+        key = (sender, receiver, generation)
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                prefix = dist.PrefixStore(f"kv/{sender}->{receiver}/{generation}", self._store)
+                try:
+                    group = self._new_group(prefix, rank)
+                except RuntimeError as exc:
+                    raise TransferError(f"cannot connect {sender}->{receiver}: {exc}") from exc
+                self._groups[key] = group
+        return group
+
+    def _new_group(self, store: Any, rank: int) -> Any:
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, 2, self.timeout)
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            return dist.ProcessGroupNCCL(store, rank, 2, options)
+        if self.backend == "hccl":
+            import torch_npu
+
+            hccl = torch_npu._C._distributed_c10d.ProcessGroupHCCL
+            options = hccl.Options()
+            options._timeout = self.timeout
+            return hccl(store, rank, 2, options)
+        raise ValueError(f"unknown KV transport backend {self.backend!r}")
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gloo moves CPU tensors: stage device tensors through host memory."""
+        if self.backend == "gloo" and tensor.device.type != "cpu":
+            return tensor.cpu()
+        return tensor
+
+    def _wait(self, work: Any, peer: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise TransferError(f"transfer with {peer} failed: {exc}") from exc
