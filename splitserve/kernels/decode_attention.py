@@ -40,7 +40,8 @@ def _decode_kernel(
     d = tl.arange(0, PAD_D)
     heads = kv_head * GROUP + g
     row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask)
+    q_off = seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_mask, other=0.0)
 
     m = tl.full([PAD_G], float("-inf"), tl.float32)
     l = tl.zeros([PAD_G], tl.float32)  # noqa: E741
@@ -92,7 +93,7 @@ def _merge_kernel(
     weight = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(
         part_out_ptr + (base + s)[:, None] * PAD_D + d[None, :],
-        mask=(s < NUM_SPLITS)[:, None],
+        mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
@@ -133,6 +134,7 @@ def paged_decode_attention(
         return out
     assert q.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    assert context_lens.is_contiguous()
     group = num_heads // num_kv_heads
     splits = num_splits or choose_num_splits(
         batch * num_kv_heads, block_tables.shape[1] * block_size, q.device

@@ -48,7 +48,7 @@ def write_kv_cache(
     if tokens == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and slot_mapping.is_contiguous()
     _kv_write_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -99,6 +99,7 @@ def paged_prefill_attention(
         return out
     assert q.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    assert q_starts.is_contiguous() and q_lens.is_contiguous() and context_lens.is_contiguous()
     wide = q.element_size() > 2
     block_m = block_m or (32 if wide else 64)
     block_n = block_n or (32 if wide else 64)

@@ -61,7 +61,7 @@ def rotary_embedding(
     if tokens == 0:
         return q_out, k_out
     assert q.stride(2) == 1 and k.stride(2) == 1
-    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride() and positions.is_contiguous()
     half = head_dim // 2
     _rotary_kernel[(tokens,)](
         positions, cos, sin, q, k, q_out, k_out,
