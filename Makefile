@@ -36,7 +36,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 bench: install
-	$(VENV)/bin/splitserve bench offline --result-dir benchmarks/results
+	bash benchmarks/cpu.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The CPU benchmark suite (`make bench`): offline engine throughput beside transformers, then
+# serving throughput/latency of colocated against 1 prefill + 1 decode at three request rates.
+# Results: benchmarks/results/cpu-*.json and cpu-*.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+OUT=${RESULTS:-benchmarks/results}
+RATES=${RATES:-0.5,1,2}
+PROMPTS=${PROMPTS:-24}
+mkdir -p "$OUT"
+
+"$BIN/splitserve" bench offline --batch-sizes 1,32 --input-len 128 --output-len 128 \
+    --result-file "$OUT/cpu-offline-smollm2.json"
+
+free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+serve_and_bench() {  # $1 config file, $2 tag
+    local port pid
+    port=$(free_port)
+    "$BIN/splitserve" serve --config "$1" --set server.port="$port" >"$OUT/cpu-serve-$2.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 240); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 "$pid" 2>/dev/null || { echo "server for $2 died; see $OUT/cpu-serve-$2.log"; exit 1; }
+        sleep 1
+    done
+    "$BIN/splitserve" bench serve --base-url "http://127.0.0.1:$port" --endpoint completions \
+        --dataset random --random-input-len 256 --random-output-len 64 --ignore-eos \
+        --num-prompts "$PROMPTS" --sweep-rates "$RATES" --seed 0 \
+        --tokenizer smollm2-135m-instruct --disable-tqdm \
+        --result-file "$OUT/cpu-serve-$2.json" --plot-file "$OUT/cpu-serve-$2.png" || true
+    kill -TERM "$pid"
+    wait "$pid" || true
+}
+
+serve_and_bench configs/colocated.yaml colocated
+serve_and_bench configs/local.yaml 1p1d
+"$BIN/python" benchmarks/summarize.py "$OUT"/cpu-*.json

@@ -1,0 +1,66 @@
+"""Print Markdown tables from benchmark result files (offline and serving sweeps)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def offline_table(result: dict[str, Any]) -> list[str]:
+    ceilings = result["ceilings"]
+    lines = [
+        f"Offline, {result['model_id']} on {result['device_name']} ({result['dtype']}), "
+        f"commit {str(result['git_commit'])[:10]}; measured ceilings "
+        f"{ceilings['bandwidth_gb_per_s']:.1f} GB/s, {ceilings['matmul_tflops']:.3f} TFLOP/s",
+        "",
+        "| batch | splitserve decode tok/s | MBU | transformers decode tok/s | speedup |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["decode"]:
+        ours, base = row["splitserve"], row.get("transformers", {})
+        lines.append(
+            f"| {row['batch']} | {ours['decode_tokens_per_s']:.1f} | {ours['mbu_decode']:.1%} "
+            f"| {base.get('decode_tokens_per_s', float('nan')):.1f} "
+            f"| {row.get('speedup_decode', float('nan')):.2f}x |"
+        )
+    if "prefill" in result:
+        prefill = result["prefill"]
+        lines.append(
+            f"\nPrefill of {result['config']['prefill_len']} tokens: "
+            f"{prefill['prefill_tokens_per_s']:.0f} tok/s, MFU {prefill['mfu_prefill']:.1%}"
+        )
+    return lines
+
+
+def serve_table(name: str, result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Serving, {name} (commit {str(result['git_commit'])[:10]})",
+        "",
+        "| rate (req/s) | completed | failed | output tok/s | mean TTFT ms | p99 TTFT ms "
+        "| mean TPOT ms | p99 ITL ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in result.get("runs", [result]):
+        lines.append(
+            f"| {run['request_rate']} | {run['completed']} | {run['failed']} "
+            f"| {run['output_throughput']:.1f} | {run['mean_ttft_ms']:.0f} "
+            f"| {run['p99_ttft_ms']:.0f} | {run['mean_tpot_ms']:.1f} | {run['p99_itl_ms']:.1f} |"
+        )
+    return lines
+
+
+def main(paths: list[str]) -> int:
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        if "decode" in result:
+            lines = offline_table(result)
+        else:
+            lines = serve_table(Path(path).stem, result)
+        print("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
