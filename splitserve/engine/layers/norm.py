@@ -1,9 +1,15 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation.
+
+On CUDA the Triton kernels of ``splitserve.kernels.rmsnorm`` run it, fused with the residual add
+before it; CPU keeps this torch code.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from splitserve.kernels.dispatch import use_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +19,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x):
+            from splitserve.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (RMSNorm(x + residual), x + residual)."""
+        if use_kernels(x):
+            from splitserve.kernels.rmsnorm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self.forward(summed), summed

@@ -1,4 +1,7 @@
-"""Rotary position embedding (rotate-half layout) with Llama 2/3 style scaling."""
+"""Rotary position embedding (rotate-half layout) with Llama 2/3 style scaling.
+
+On CUDA the Triton kernel of ``splitserve.kernels.rotary`` applies it; CPU keeps this torch code.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from splitserve.kernels.dispatch import use_kernels
 
 
 def inverse_frequencies(
@@ -66,6 +71,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D] -> rotated, in their dtype."""
+        if use_kernels(q):
+            from splitserve.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

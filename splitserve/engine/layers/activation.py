@@ -1,0 +1,17 @@
+"""SwiGLU's activation: [T, 2 * I] laid out gate | up -> silu(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.kernels.dispatch import use_kernels
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_kernels(x):
+        from splitserve.kernels.activation import silu_and_mul as kernel
+
+        return kernel(x)
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
