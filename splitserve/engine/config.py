@@ -11,7 +11,8 @@ class EngineConfig:
 
     model: a path to a GGUF file, a Hugging Face directory, or an alias such as
     ``smollm2-135m-instruct``. num_kv_blocks=None sizes the KV pool from kv_cache_bytes
-    (CPU) or from gpu_memory_utilization (CUDA).
+    (CPU) or from gpu_memory_utilization (CUDA). cuda_graph_max_batch: decode steps up to this
+    batch size replay CUDA graphs (0 disables; ignored on CPU).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -26,6 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
+    cuda_graph_max_batch: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -49,7 +49,7 @@ class LLMEngine:
             config, self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
         weights = None if is_random_shape(path) else path
-        self.runner = ModelRunner(config, self.model_config, weights)
+        self.runner = ModelRunner(config, self.model_config, weights, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
 from splitserve.engine.loader import iter_weights
 from splitserve.engine.model_config import ModelConfig
@@ -22,15 +23,26 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, weights_path: str | None
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        weights_path: str | None,
+        max_model_len: int,
     ) -> None:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
         self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.model = self._build_model(weights_path)
         self.num_blocks = self._allocate_kv_cache()
+        self.scratch_block = self.num_blocks
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            self.graphs = DecodeGraphs(
+                self, min(config.cuda_graph_max_batch, config.max_num_seqs), capture=True
+            )
 
     def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -62,7 +74,8 @@ class ModelRunner:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_utilization)
             num_blocks = max(1, budget // self.kv_bytes_per_block())
-        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One block more than the block manager hands out: the scratch block of padded rows.
+        shape = (2, cfg.num_layers, num_blocks + 1, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, index]
@@ -83,6 +96,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns logits of the requests that sample and their batch indices."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         input_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows]), sampled
