@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=0, help="also time one long prefill")
     parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
@@ -56,6 +58,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=longest + 16,
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=max(args.prefill_len, 2048),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graph_max_batch=0 if args.no_cuda_graphs else max(batch_sizes),
     )
     runner = llm.engine.runner
     ceilings = measure_ceilings(runner.device, runner.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +31,8 @@ _SECTIONS = (
 
 
 def git_commit() -> str | None:
-    """The commit the harness runs from, or None outside a git checkout."""
+    """The commit the harness runs from; outside a git checkout (a copied tree on a GPU
+    machine) the SPLITSERVE_GIT_COMMIT variable that the launching script sets, or None."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -41,7 +43,7 @@ def git_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("SPLITSERVE_GIT_COMMIT")
     return out.stdout.strip() or None
 
 
