@@ -110,12 +110,33 @@ def _tiny_qwen2(tokenizer: Any, path: Path) -> tuple[Any, str]:
     return model, _save_tiny(model, tokenizer, path)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def _tiny_mistral(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(2)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        sliding_window=None,
+        initializer_range=0.3,
+    )
+    model = MistralForCausalLM(config).eval()
+    return model, _save_tiny(model, tokenizer, path)
+
+
+TINY_BUILDERS = {"llama": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_BUILDERS))
 def test_tiny_random_model_greedy_matches_transformers(
     family: str, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
-    build = _tiny_llama if family == "llama" else _tiny_qwen2
-    hf_model, path = build(smollm2_tokenizer, tmp_path / family)
+    hf_model, path = TINY_BUILDERS[family](smollm2_tokenizer, tmp_path / family)
     llm = LLM(model=path, max_model_len=512, block_size=8)
     generator = torch.Generator().manual_seed(7)
     prompts = [
