@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one go (about 10 minutes on one or two H200s): correctness on the GPU,
+# kernel checks, offline engine throughput beside transformers for the SmolLM2 and Llama-3-8B
+# shapes (torch and Triton attention), and, with two GPUs, the KV transfer / disaggregation
+# benchmark over NCCL. Runs from a plain copy of the tree with the machine's own python3
+# (torch, triton, transformers; no network); results go to $OUT (default benchmarks/results).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export SPLITSERVE_GIT_COMMIT=${SPLITSERVE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-benchmarks/results}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+status=0
+step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
+
+step "$PY" benchmarks/gpu_check.py
+[ -f benchmarks/gpu_kernels.py ] && step "$PY" benchmarks/gpu_kernels.py
+bench() { step "$PY" -m splitserve.cli bench offline --device cuda "$@"; }
+bench --shape smollm2-135m --batch-sizes 1,32 --input-len 128 --output-len 128 \
+    --result-file "$OUT/h200-offline-smollm2-135m.json"
+bench --shape smollm2-135m --batch-sizes 1,32 --input-len 128 --output-len 128 --no-baseline \
+    --attention-backend triton --result-file "$OUT/h200-offline-smollm2-135m-triton.json"
+bench --shape llama3-8b --batch-sizes 1,64 --input-len 1024 --output-len 64 --prefill-len 8192 \
+    --result-file "$OUT/h200-offline-llama3-8b.json"
+bench --shape llama3-8b --batch-sizes 1,64 --input-len 1024 --output-len 64 --prefill-len 8192 \
+    --no-baseline --attention-backend triton --result-file "$OUT/h200-offline-llama3-8b-triton.json"
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] \
+    && [ -f benchmarks/gpu_disagg.py ]; then
+    step "$PY" benchmarks/gpu_disagg.py
+fi
+"$PY" benchmarks/summarize.py "$OUT"/h200-offline-*.json
+exit $status
