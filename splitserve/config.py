@@ -20,7 +20,8 @@ import yaml
 from splitserve.engine.config import EngineConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
-ROLES = ("both",)
+ROLES = ("both", "prefill", "decode")
+TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,7 @@ class ServerConfig:
     max_queue: int = 256
     internal_host: str = "127.0.0.1"
     log_level: str = "warning"
+    heartbeat_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -46,6 +48,7 @@ class ServerConfig:
         _require(self.max_n >= 1, "server.max_n must be at least 1")
         _require(self.max_queue >= 1, "server.max_queue must be at least 1")
         _require(all(self.api_keys), "server.api_keys must not contain empty keys")
+        _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -72,15 +75,53 @@ class PoolConfig:
     role: str = "both"
     replicas: int = 1
     device: str = "cpu"
+    devices: int = 1
     num_cpus: float = 1.0
     num_threads: int = 0
+    resources: Mapping[str, float] = field(default_factory=dict)
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
         _require(self.replicas >= 1, "replicas must be at least 1")
+        _require(self.devices >= 1, "devices must be at least 1")
         _require(self.num_cpus >= 0, "num_cpus must be non-negative")
         _require(self.num_threads >= 0, "num_threads must be non-negative (0 = all cores)")
+        _require(all(v >= 0 for v in self.resources.values()), "resources must be non-negative")
+
+    @property
+    def num_gpus(self) -> int:
+        """Accelerators reserved per replica (the engine runs on the first)."""
+        return self.devices if self.device.split(":")[0] in ("cuda", "npu") else 0
+
+    def bundle(self) -> dict[str, float]:
+        """One replica's Ray placement-group bundle: CPUs, GPUs and the pool's node labels."""
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = float(self.num_gpus)
+        return {k: v for k, v in bundle.items() if v > 0}
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """KV transport between prefill and decode workers.
+
+    timeout_s bounds a channel's setup and each transfer, and how long a decode worker keeps
+    blocks reserved for KV that has not arrived. fault_send_delay_s is for tests only: the
+    prefill worker waits that long between announcing a transfer and sending the KV.
+    """
+
+    backend: str = "auto"
+    timeout_s: float = 30.0
+    fault_send_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.backend in TRANSFER_BACKENDS,
+            f"transfer.backend {self.backend!r} is not one of {TRANSFER_BACKENDS}",
+        )
+        _require(self.timeout_s > 0, "transfer.timeout_s must be positive")
+        _require(self.fault_send_delay_s >= 0, "transfer.fault_send_delay_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -97,15 +138,26 @@ class DeployConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     pools: Mapping[str, PoolConfig] = field(default_factory=lambda: {"worker": PoolConfig()})
     ray: RayConfig = field(default_factory=RayConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must not be empty")
         _require(len(self.pools) >= 1, "pools must define at least one pool")
+        _check_roles([p.role for p in self.pools.values()])
         for name in self.pools:
             try:
                 self.engine_config(name)
             except ValueError as exc:
                 raise ValueError(f"pools.{name}.engine: {exc}") from exc
+
+    @property
+    def disaggregated(self) -> bool:
+        """True for a prefill pool plus a decode pool, False for colocated (`both`) pools."""
+        return any(p.role != "both" for p in self.pools.values())
+
+    def pool_of_role(self, role: str) -> str:
+        """The name of the (only) pool with ``role``."""
+        return next(name for name, p in self.pools.items() if p.role == role)
 
     def engine_config(self, pool: str) -> EngineConfig:
         """The EngineConfig for one replica of ``pool``."""
@@ -198,6 +250,16 @@ def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
     return data
+
+
+def _check_roles(roles: list[str]) -> None:
+    if all(r == "both" for r in roles):
+        return
+    _require(
+        sorted(roles) == ["decode", "prefill"],
+        "a disaggregated deployment has exactly one prefill pool and one decode pool and no "
+        f"`both` pool (got roles {sorted(roles)}); a colocated one has only `both` pools",
+    )
 
 
 def _join(path: str, name: str) -> str:

@@ -23,6 +23,8 @@ from splitserve.config import ConfigError, DeployConfig, load_config
 
 READY_TIMEOUT_S = 60.0
 OBJECT_STORE_BYTES = 128 << 20
+PLACEMENT_TIMEOUT_S = 60.0
+MIN_BUNDLE_CPU = 0.01
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +81,10 @@ class Deployment:
         self.actors: list[Any] = []
         self.workers: list[dict[str, Any]] = []
         self.tokenizer: Any = None
+        self.placement_groups: list[Any] = []
         self._owns_ray = False
+        self._store: Any = None
+        self._store_addr: list[Any] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -105,6 +110,7 @@ class Deployment:
         num_cpus = self.config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
         ray.init(
             num_cpus=num_cpus,
+            resources=self._pool_resources(),
             include_dashboard=False,
             object_store_memory=OBJECT_STORE_BYTES,
             logging_level=logging.WARNING,
@@ -112,48 +118,93 @@ class Deployment:
         self._owns_ray = True
         _interrupt_on_signals()
 
-    def _start_workers(self) -> None:
-        import dataclasses
+    def _pool_resources(self) -> dict[str, float]:
+        """A private local Ray offers the pools' node labels itself, so one machine fits all."""
+        total: dict[str, float] = {}
+        for pool in self.config.pools.values():
+            for key, value in pool.resources.items():
+                total[key] = total.get(key, 0.0) + value * pool.replicas
+        return total
 
+    def _start_workers(self) -> None:
         import ray
 
-        from splitserve.services.workers import EngineWorker
+        config = self.config
+        if config.disaggregated:
+            from splitserve.kvstore.transfer import start_store
 
-        actor_class = ray.remote(EngineWorker)
-        for name, pool in self.config.pools.items():
-            engine = dataclasses.asdict(self.config.engine_config(name))
-            for i in range(pool.replicas):
-                actor = actor_class.options(
-                    name=f"splitserve-{name}-{i}",
-                    num_cpus=pool.num_cpus,
-                    num_gpus=1 if pool.device.startswith("cuda") else 0,
-                ).remote(
-                    f"{name}-{i}",
-                    pool.role,
-                    engine,
-                    self.config.server.internal_host,
-                    pool.num_threads or os.cpu_count() or 1,
-                )
-                self.actors.append(actor)
+            self._store, address = start_store(config.server.internal_host)
+            self._store_addr = [address.host, address.port]
+        for name in config.pools:
+            self._start_pool(name)
         try:
             self.workers = ray.get([a.start.remote() for a in self.actors])
         except ray.exceptions.RayError as exc:
             raise WorkerStartError(f"a worker failed to start: {exc}") from exc
+        for info in self.workers:
+            print(f"splitserve worker {info['worker_id']} ({info['role']}) pid {info['pid']}")
+
+    def _start_pool(self, name: str) -> None:
+        """Place one pool's replicas with a placement group: one bundle per replica."""
+        import dataclasses
+
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from splitserve.services.workers import worker_class
+
+        pool = self.config.pools[name]
+        bundle = pool.bundle() or {"CPU": MIN_BUNDLE_CPU}
+        group = placement_group([bundle] * pool.replicas, strategy="PACK", name=f"ss-{name}")
+        self.placement_groups.append(group)
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise WorkerStartError(
+                f"pool {name}: no room for {pool.replicas} x {bundle} in the Ray cluster"
+            ) from exc
+        actor_class = ray.remote(worker_class(pool.role))
+        engine = dataclasses.asdict(self.config.engine_config(name))
+        transfer = dataclasses.asdict(self.config.transfer)
+        for i in range(pool.replicas):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+            actor = actor_class.options(
+                name=f"splitserve-{name}-{i}",
+                num_cpus=pool.num_cpus,
+                num_gpus=pool.num_gpus,
+                resources=dict(pool.resources),
+                scheduling_strategy=strategy,
+            ).remote(
+                f"{name}-{i}",
+                engine,
+                self.config.server.internal_host,
+                pool.num_threads or os.cpu_count() or 1,
+                transfer,
+                self._store_addr,
+            )
+            self.actors.append(actor)
 
     def stop(self) -> None:
         """Stop the workers and Ray; safe to call after a partial start."""
         if not self.actors and not self._owns_ray:
             return
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for actor in self.actors:
             with suppress(ray.exceptions.RayError):
                 ray.get(actor.stop.remote(), timeout=10)
             ray.kill(actor)
         self.actors = []
+        for group in self.placement_groups:
+            with suppress(Exception):
+                remove_placement_group(group)
+        self.placement_groups = []
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+        self._store = None
 
 
 def _load_tokenizer(model: str) -> Any:
@@ -173,10 +224,17 @@ async def _serve(deployment: Deployment) -> None:
     config = deployment.config
     metrics = Metrics(config.model)
     endpoints = [
-        WorkerEndpoint(w["worker_id"], w["request_addr"], w["output_addr"])
+        WorkerEndpoint(w["worker_id"], w["request_addr"], w["output_addr"], w["role"], w["kv_addr"])
         for w in deployment.workers
     ]
-    client = WorkerClient(endpoints, config.server.max_queue, metrics)
+    decode_pool = next(n for n, p in config.pools.items() if p.role != "prefill")
+    client = WorkerClient(
+        endpoints,
+        config.server.max_queue,
+        metrics,
+        block_size=config.pools[decode_pool].engine.block_size,
+        heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+    )
     client.start()
     state = ServerState(config, deployment.tokenizer, client, metrics, deployment.max_model_len)
     server = uvicorn.Server(

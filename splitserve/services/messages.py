@@ -29,6 +29,50 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class Reserve:
+    """API server -> decode worker: reserve KV blocks for a prompt that prefill_worker computes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_worker: str
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Decode worker -> API server: blocks are reserved, the prefill may start."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """API server -> prefill worker: compute the prompt and send its KV to decode_worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decode_worker: str
+    decode_kv_addr: str
+
+
+@dataclass(frozen=True)
+class KvHeader:
+    """Prefill worker -> decode worker: the KV of request_id follows on channel generation.
+
+    logprobs: the first token's (token id, logprob, rank, decoded) entries, or None.
+    """
+
+    request_id: str
+    sender: str
+    generation: int
+    first_token: int
+    logprobs: list[TokenLogprob] | None
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     """API server -> worker: stop these requests and free their KV blocks."""
 
@@ -62,10 +106,15 @@ class TokenDelta:
 
 @dataclass(frozen=True)
 class RequestError:
-    """Worker -> API server: the engine rejected a request (for example, too long)."""
+    """Worker -> API server: a request failed.
+
+    status 400: the engine rejected it (for example, too long); 503: the service failed it
+    (a KV transfer that broke or timed out, a worker that stopped).
+    """
 
     request_id: str
     message: str
+    status: int = 400
 
 
 @dataclass(frozen=True)
@@ -78,7 +127,11 @@ class OutputBatch:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """Worker -> API server, a few times a second: load and KV occupancy (also a heartbeat)."""
+    """Worker -> API server, a few times a second: load and KV occupancy (also a heartbeat).
+
+    kv_transfer_bytes counts KV sent plus received since start; kv_transfer_seconds lists the
+    durations of the transfers finished since the previous stats message.
+    """
 
     worker_id: str
     num_running: int
@@ -88,11 +141,32 @@ class WorkerStats:
     kv_usage: float
     prompt_tokens_computed: int
     prompt_tokens_cached: int
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
-Message = GenerateRequest | AbortRequest | OutputBatch | WorkerStats
+Message = (
+    GenerateRequest
+    | Reserve
+    | Reserved
+    | Prefill
+    | KvHeader
+    | AbortRequest
+    | OutputBatch
+    | WorkerStats
+)
 _TYPES: dict[str, type] = {
-    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, OutputBatch, WorkerStats)
+    cls.__name__: cls
+    for cls in (
+        GenerateRequest,
+        Reserve,
+        Reserved,
+        Prefill,
+        KvHeader,
+        AbortRequest,
+        OutputBatch,
+        WorkerStats,
+    )
 }
 
 _SCALARS: dict[type, tuple[type, ...]] = {

@@ -22,6 +22,7 @@ from splitserve.services.messages import WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -63,7 +64,35 @@ class Metrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from admission to the last token"
         )
+        worker = [*labels, "worker"]
+        self.worker_free_blocks = Gauge(
+            "splitserve:worker_kv_cache_free_blocks",
+            "Free KV blocks per worker",
+            worker,
+            registry=self.registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "splitserve:kv_transfer_bytes",
+            "KV bytes a worker sent (prefill) or received (decode)",
+            worker,
+            registry=self.registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "splitserve:kv_transfer_seconds",
+            "Duration of one request's KV transfer, per worker",
+            worker,
+            buckets=_TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
         self.model_name = model_name
+
+    def observe_transfers(self, stats: WorkerStats, new_bytes: int) -> None:
+        """Count a worker's KV bytes since its previous stats and its finished transfers."""
+        m, w = self.model_name, stats.worker_id
+        self.worker_free_blocks.labels(m, w).set(stats.num_free_blocks)
+        self.kv_transfer_bytes.labels(m, w).inc(max(new_bytes, 0))
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer_seconds.labels(m, w).observe(seconds)
 
     def set_worker_stats(self, stats: Iterable[WorkerStats]) -> None:
         """Replace the worker gauges with the sums over the latest stats of each worker."""

@@ -1,14 +1,16 @@
 """Workers: one engine each, driven by messages from the API server.
 
 ``EngineWorker`` is a plain class so that it can be tested without Ray; the launcher turns it
-into a Ray actor. Its loop runs in a thread of the actor process: drain the request socket,
-run one engine step, push the token deltas back, and report stats a few times a second.
-The role decides which stages of a request the worker runs; only ``both`` (colocated
-prefill and decode) exists so far.
+(or ``PrefillWorker`` / ``DecodeWorker``, services/prefill_worker.py and decode_worker.py)
+into a Ray actor. Its loop runs in a thread of the actor process: drain the input sockets,
+do one round of work (an engine step), push the token deltas back, and report stats a few
+times a second. Only the loop thread touches the engine, which is not thread-safe.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any
 import zmq
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.request import RequestOutput
+from splitserve.engine.request import Logprob, RequestOutput
 from splitserve.services import messages as msg
 
 STATS_INTERVAL_S = 0.2
@@ -26,7 +28,10 @@ IDLE_POLL_MS = 50
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What the API server needs to know about a started worker (plain values only)."""
+    """What the API server needs to know about a started worker (plain values only).
+
+    kv_addr: where a decode worker receives KV headers ("" for other roles).
+    """
 
     worker_id: str
     role: str
@@ -34,6 +39,8 @@ class WorkerInfo:
     max_model_len: int
     request_addr: str
     output_addr: str
+    kv_addr: str
+    pid: int
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -42,25 +49,36 @@ class WorkerInfo:
 class EngineWorker:
     """A worker of role ``both``: prefill and decode in one engine.
 
-    engine_config is passed as a plain dict so that only plain values cross Ray's control
-    plane; requests and tokens travel as msgpack messages over the two ZMQ sockets it binds.
+    Constructor arguments are plain values (engine_config and transfer are dicts, store is
+    the rendezvous store's [host, port]) so that only plain values cross Ray's control plane;
+    requests and tokens travel as msgpack messages over the ZMQ sockets it binds.
     """
 
+    role = "both"
+
     def __init__(
-        self, worker_id: str, role: str, engine_config: dict[str, Any], bind_host: str, threads: int
+        self,
+        worker_id: str,
+        engine_config: dict[str, Any],
+        bind_host: str,
+        threads: int,
+        transfer: dict[str, Any] | None = None,
+        store: list[Any] | None = None,
     ) -> None:
-        if role != "both":
-            raise ValueError(f"worker role {role!r} is not supported")
         self.worker_id = worker_id
-        self.role = role
         self.config = EngineConfig(**engine_config)
         self.bind_host = bind_host
         self.threads = threads
+        self.transfer = transfer or {}
+        self.store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sent: dict[str, tuple[int, int]] = {}
         self._errors: list[msg.RequestError] = []
+        self._async_errors: queue.Queue[msg.RequestError] = queue.Queue()
+        self._transfer_seconds: queue.Queue[float] = queue.Queue()
         self._last_stats = 0.0
+        self.kv_addr = ""
 
     def start(self) -> dict[str, Any]:
         """Load the engine, bind the sockets, start the loop; returns WorkerInfo as a dict."""
@@ -78,6 +96,9 @@ class EngineWorker:
         self._outputs.setsockopt(zmq.LINGER, 0)
         request_port = self._requests.bind_to_random_port(f"tcp://{self.bind_host}")
         output_port = self._outputs.bind_to_random_port(f"tcp://{self.bind_host}")
+        self._poller = zmq.Poller()
+        self._poller.register(self._requests, zmq.POLLIN)
+        self._setup()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
         return WorkerInfo(
@@ -87,6 +108,8 @@ class EngineWorker:
             max_model_len=self.engine.max_model_len,
             request_addr=f"tcp://{self.bind_host}:{request_port}",
             output_addr=f"tcp://{self.bind_host}:{output_port}",
+            kv_addr=self.kv_addr,
+            pid=os.getpid(),
         ).to_dict()
 
     def stop(self) -> None:
@@ -96,25 +119,26 @@ class EngineWorker:
             self._thread.join(timeout=10)
             self._ctx.destroy(linger=0)
 
+    def _setup(self) -> None:
+        """Role-specific sockets and threads, created before the loop starts."""
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished_requests()
-            self._drain(0 if busy else IDLE_POLL_MS)
-            if self.engine.has_unfinished_requests():
-                self._send_outputs(self.engine.step())
-            elif self._errors:
-                self._send_outputs([])
+            self._drain(self._poll_ms())
+            self._tick()
             self._maybe_send_stats()
 
+    def _poll_ms(self) -> int:
+        return 0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS
+
     def _drain(self, timeout_ms: int) -> None:
-        if not self._requests.poll(timeout_ms):
-            return
-        while True:
-            try:
-                data = self._requests.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(msg.decode(data))
+        for socket, _ in self._poller.poll(timeout_ms):
+            while True:
+                try:
+                    data = socket.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(msg.decode(data))
 
     def _handle(self, message: msg.Message) -> None:
         if isinstance(message, msg.GenerateRequest):
@@ -127,17 +151,30 @@ class EngineWorker:
                 return
             self._sent[message.request_id] = (0, 0)
         elif isinstance(message, msg.AbortRequest):
-            for request_id in message.request_ids:
-                self.engine.abort_request(request_id)
-                self._sent.pop(request_id, None)
-            self._last_stats = 0.0
+            self._abort(message.request_ids)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            self._sent.pop(request_id, None)
+        self._last_stats = 0.0
+
+    def _tick(self) -> None:
+        """One round of work: an engine step, then the outputs and errors it produced."""
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self._send_outputs(outputs)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        while not self._async_errors.empty():
+            self._errors.append(self._async_errors.get_nowait())
         deltas = [d for d in (self._delta(o) for o in outputs) if d is not None]
         if deltas or self._errors:
             batch = msg.OutputBatch(deltas=deltas, errors=self._errors)
             self._errors = []
             self._outputs.send(msg.encode(batch))
+
+    def _send(self, message: msg.Message) -> None:
+        self._outputs.send(msg.encode(message))
 
     def _delta(self, output: RequestOutput) -> msg.TokenDelta | None:
         if output.request_id not in self._sent:
@@ -160,11 +197,17 @@ class EngineWorker:
             num_cached_tokens=output.num_cached_tokens,
         )
 
+    def _transfer_bytes(self) -> int:
+        return 0
+
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
         if now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
+        seconds = []
+        while not self._transfer_seconds.empty():
+            seconds.append(self._transfer_seconds.get_nowait())
         s = self.engine.stats()
         stats = msg.WorkerStats(
             worker_id=self.worker_id,
@@ -175,8 +218,25 @@ class EngineWorker:
             kv_usage=float(s.kv_usage),
             prompt_tokens_computed=s.prompt_tokens_computed,
             prompt_tokens_cached=s.prompt_tokens_cached,
+            kv_transfer_bytes=self._transfer_bytes(),
+            kv_transfer_seconds=seconds,
         )
-        self._outputs.send(msg.encode(stats))
+        self._send(stats)
+
+
+def worker_class(role: str) -> type[EngineWorker]:
+    """The worker class that runs ``role``."""
+    if role == "both":
+        return EngineWorker
+    if role == "prefill":
+        from splitserve.services.prefill_worker import PrefillWorker
+
+        return PrefillWorker
+    if role == "decode":
+        from splitserve.services.decode_worker import DecodeWorker
+
+        return DecodeWorker
+    raise ValueError(f"worker role {role!r} is not supported")
 
 
 def _wire_logprobs(
@@ -185,11 +245,18 @@ def _wire_logprobs(
     """The new positions' logprobs, the sampled token first, then by rank."""
     if logprobs is None:
         return None
-    result = []
-    for position in range(start, len(logprobs)):
-        sampled = token_ids[position]
-        entries = sorted(logprobs[position].items(), key=lambda kv: (kv[0] != sampled, kv[1].rank))
-        result.append(
-            [msg.TokenLogprob(t, float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in entries]
-        )
-    return result
+    return [
+        wire_position(logprobs[position], token_ids[position])
+        for position in range(start, len(logprobs))
+    ]
+
+
+def wire_position(position: dict[int, Logprob], sampled: int) -> list[msg.TokenLogprob]:
+    """One position's logprobs as messages, the sampled token first, then by rank."""
+    entries = sorted(position.items(), key=lambda kv: (kv[0] != sampled, kv[1].rank))
+    return [msg.TokenLogprob(t, float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in entries]
+
+
+def engine_position(entries: list[msg.TokenLogprob]) -> dict[int, Logprob]:
+    """The inverse of wire_position."""
+    return {e.token_id: Logprob(e.logprob, e.rank, e.decoded_token) for e in entries}

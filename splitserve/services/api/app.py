@@ -46,9 +46,20 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 async def health(request: Request) -> Response:
-    """200 only when every worker has sent a recent heartbeat."""
+    """200 only when every worker has sent a recent heartbeat; the body has each pool's count.
+
+    Pools are keyed by role: {"prefill": {"status", "replicas", "ready"}, "decode": ...}.
+    """
     client = get_state(request).client
-    body = {"status": "ok" if client.ready else "unavailable", "workers_ready": client.num_ready}
+    pools: dict[str, Any] = {
+        role: {"status": "ok" if p["ready"] == p["replicas"] else "unavailable", **p}
+        for role, p in client.pools().items()
+    }
+    body = {
+        "status": "ok" if client.ready else "unavailable",
+        "workers_ready": client.num_ready,
+        "pools": pools,
+    }
     return JSONResponse(body, status_code=200 if client.ready else 503)
 
 

@@ -160,7 +160,7 @@ async def collect(request: Request, group: RequestGroup, num_choices: int) -> li
                 raise APIError(499, "client disconnected", code="client_disconnected")
         task.result()
     except EngineRequestError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
+        raise error_of(exc) from exc
     finally:
         group.close()
     return choices
@@ -192,8 +192,16 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def sse_error(exc: Exception) -> str:
-    return sse(error_body(str(exc), "invalid_request_error", None, "invalid_value"))
+def error_of(exc: EngineRequestError) -> APIError:
+    """The API error for a request a worker refused (400) or the service failed (503)."""
+    if exc.status == 400:
+        return APIError(400, str(exc), code="invalid_value")
+    return APIError(exc.status, str(exc), "server_error", code="request_failed")
+
+
+def sse_error(exc: EngineRequestError) -> str:
+    error = error_of(exc)
+    return sse(error_body(error.message, error.type, error.param, error.code))
 
 
 SSE_DONE = "data: [DONE]\n\n"

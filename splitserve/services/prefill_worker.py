@@ -1,0 +1,135 @@
+"""PrefillWorker: computes prompts and sends their KV to the decode worker that reserved it.
+
+The loop thread runs the engine with ``prefill_only`` requests. When a prompt is done, its
+KV (already gathered into one contiguous tensor) and first token go to a queue that one
+sender thread works through in order: a KvHeader message to the decode worker's ZMQ socket,
+then the tensor over the KV transport. One sender keeps the sends on each channel in the
+order the headers announced them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from splitserve.engine.kv_handoff import Prefilled
+from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError
+from splitserve.services import messages as msg
+from splitserve.services.workers import EngineWorker, wire_position
+
+QUEUE_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class _Route:
+    decode_worker: str
+    kv_addr: str
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    def _setup(self) -> None:
+        assert self.store is not None, "a prefill worker needs the rendezvous store"
+        self.transport = KVTransport(
+            self.worker_id,
+            StoreAddress(self.store[0], int(self.store[1])),
+            torch.device(self.config.device),
+            self.transfer.get("backend", "auto"),
+            self.transfer.get("timeout_s", 30.0),
+        )
+        self._routes: dict[str, _Route] = {}
+        self._outbox: queue.Queue[tuple[_Route, Prefilled]] = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        self._sender.start()
+
+    def _handle(self, message: msg.Message) -> None:
+        if isinstance(message, msg.Prefill):
+            try:
+                self.engine.add_request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    prefill_only=True,
+                )
+            except ValueError as exc:
+                self._errors.append(msg.RequestError(message.request_id, str(exc)))
+                return
+            self._routes[message.request_id] = _Route(message.decode_worker, message.decode_kv_addr)
+        elif isinstance(message, msg.AbortRequest):
+            for request_id in message.request_ids:
+                self._routes.pop(request_id, None)
+            self._abort(message.request_ids)
+
+    def _tick(self) -> None:
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        for output in outputs:
+            if output.finished and output.outputs[0].finish_reason == "prefilled":
+                prefilled = self.engine.handoff.pop_prefilled(output.request_id)
+                route = self._routes.pop(output.request_id, None)
+                if route is not None:
+                    self._outbox.put((route, prefilled))
+        self._send_outputs([])
+
+    def _transfer_bytes(self) -> int:
+        return self.transport.bytes_sent
+
+    def _send_loop(self) -> None:
+        """The sender thread: owns the header sockets and the channel generations."""
+        sockets: dict[str, zmq.Socket] = {}
+        generations: dict[str, int] = {}
+        while not self._stop.is_set():
+            try:
+                route, prefilled = self._outbox.get(timeout=QUEUE_POLL_S)
+            except queue.Empty:
+                continue
+            if route.kv_addr not in sockets:
+                sockets[route.kv_addr] = self._header_socket(route.kv_addr)
+            peer = route.decode_worker
+            generation = generations.setdefault(peer, 0)
+            sockets[route.kv_addr].send(msg.encode(self._header(prefilled, generation)))
+            if not self._send_kv(peer, generation, prefilled):
+                generations[peer] = generation + 1
+        for socket in sockets.values():
+            socket.close(linger=0)
+
+    def _header_socket(self, addr: str) -> zmq.Socket:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(addr)
+        return socket
+
+    def _header(self, prefilled: Prefilled, generation: int) -> msg.KvHeader:
+        kv, first = prefilled.kv, prefilled.first_token
+        logprobs = None if prefilled.logprobs is None else wire_position(prefilled.logprobs, first)
+        return msg.KvHeader(
+            request_id=prefilled.request_id,
+            sender=self.worker_id,
+            generation=generation,
+            first_token=first,
+            logprobs=logprobs,
+            shape=list(kv.shape),
+            dtype=str(kv.dtype).removeprefix("torch."),
+        )
+
+    def _send_kv(self, peer: str, generation: int, prefilled: Prefilled) -> bool:
+        """Send one request's KV; on failure drop the channel and report the request."""
+        delay = float(self.transfer.get("fault_send_delay_s", 0.0))
+        if delay:
+            time.sleep(delay)
+        start = time.monotonic()
+        try:
+            self.transport.send(peer, generation, prefilled.kv)
+        except TransferError as exc:
+            self.transport.drop(self.worker_id, peer, generation)
+            error = f"KV transfer to {peer} failed: {exc}"
+            self._async_errors.put(msg.RequestError(prefilled.request_id, error, 503))
+            return False
+        self._transfer_seconds.put(time.monotonic() - start)
+        return True
