@@ -123,7 +123,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     (padded); context_lens [B] -> [B, H, D]. Written into ``out`` when given."""
@@ -139,6 +139,8 @@ def paged_decode_attention(
     splits = num_splits or choose_num_splits(
         batch * num_kv_heads, block_tables.shape[1] * block_size, q.device
     )
+    # 128-token tiles measured fastest for 16-bit caches on an H200 (benchmarks/gpu_kernels.py).
+    block_n = block_n or (128 if q.element_size() <= 2 else 64)
     pad_d = max(16, triton.next_power_of_2(head_dim))
     part_out = part_lse = out
     if splits > 1:
