@@ -83,25 +83,31 @@ class PrefixScan:
     """Walks a prompt's blocks in order, tracking which holders still have every block."""
 
     def __init__(self) -> None:
-        self.result: Prefixes = {}
+        self._done: Prefixes = {}
         self._alive: dict[str, int] | None = None
-        self._index = 0
+        self._count = 0
 
-    def add_block(self, tiers_by_holder: dict[str, int]) -> bool:
-        """Feed one block's holders (holder -> fastest tier rank); False once no holder is left."""
-        self._index += 1
+    def add_block(self, best: dict[str, int]) -> bool:
+        """Feed one block's holders (holder -> fastest tier rank); False once none is left."""
         if self._alive is None:
-            alive = tiers_by_holder
+            self._alive = dict(best)
         else:
-            alive = {
-                holder: max(rank, tiers_by_holder[holder])
-                for holder, rank in self._alive.items()
-                if holder in tiers_by_holder
-            }
-        self._alive = alive
-        for holder, rank in alive.items():
-            self.result[holder] = (self._index, TIERS[rank])
-        return bool(alive)
+            alive = self._alive
+            for holder in list(alive):
+                rank = best.get(holder)
+                if rank is None:
+                    self._done[holder] = (self._count, TIERS[alive.pop(holder)])
+                elif rank > alive[holder]:
+                    alive[holder] = rank
+        if not self._alive:
+            return False
+        self._count += 1
+        return True
+
+    @property
+    def result(self) -> Prefixes:
+        alive = self._alive or {}
+        return self._done | {holder: (self._count, TIERS[r]) for holder, r in alive.items()}
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -110,47 +116,42 @@ class MemoryPrefixIndex(PrefixIndex):
     def __init__(self, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._ttl_s = math.inf if ttl_s is None else ttl_s
         self._clock = clock
-        self._blocks: dict[int, dict[tuple[str, str], float]] = {}
-        self._by_holder: dict[tuple[str, str], set[int]] = {}
+        self._blocks: dict[int, dict[str, dict[int, float]]] = {}
+        """block hash -> holder -> tier rank -> expiry"""
+        self._by_holder: dict[tuple[str, int], set[int]] = {}
 
     def publish(
         self, holder: str, tier: str, stored: Sequence[int], evicted: Sequence[int]
     ) -> None:
         check_tier(tier)
-        field = (holder, tier)
-        owned = self._by_holder.setdefault(field, set())
+        rank = TIER_RANK[tier]
+        owned = self._by_holder.setdefault((holder, rank), set())
         expiry = self._clock() + self._ttl_s
         for block_hash in stored:
-            self._blocks.setdefault(block_hash, {})[field] = expiry
+            self._blocks.setdefault(block_hash, {}).setdefault(holder, {})[rank] = expiry
             owned.add(block_hash)
         for block_hash in evicted:
-            self._remove(block_hash, field)
+            self._remove(block_hash, holder, rank)
             owned.discard(block_hash)
 
     def longest_prefixes(self, block_hashes: Sequence[int]) -> Prefixes:
         now = self._clock()
         scan = PrefixScan()
+        blocks = self._blocks
         for block_hash in block_hashes:
-            fields = self._blocks.get(block_hash)
-            if not fields:
-                break
-            best: dict[str, int] = {}
-            for (holder, tier), expiry in fields.items():
-                if expiry > now:
-                    rank = TIER_RANK[tier]
-                    best[holder] = min(rank, best.get(holder, rank))
-            if not scan.add_block(best):
+            holders = blocks.get(block_hash)
+            if holders is None or not scan.add_block(_live_ranks(holders, now)):
                 break
         return scan.result
 
     def rebuild(self, holder: str, tier: str, block_hashes: Iterable[int]) -> None:
         check_tier(tier)
-        self._drop_field((holder, tier))
+        self._drop_field(holder, TIER_RANK[tier])
         self.publish(holder, tier, list(block_hashes), ())
 
     def drop_holder(self, holder: str) -> None:
-        for tier in TIERS:
-            self._drop_field((holder, tier))
+        for rank in range(len(TIERS)):
+            self._drop_field(holder, rank)
 
     def healthy(self) -> bool:
         return True
@@ -163,16 +164,30 @@ class MemoryPrefixIndex(PrefixIndex):
         """Number of distinct block hashes with at least one holder (expired ones included)."""
         return len(self._blocks)
 
-    def _drop_field(self, field: tuple[str, str]) -> None:
-        for block_hash in self._by_holder.pop(field, set()):
-            self._remove(block_hash, field)
+    def _drop_field(self, holder: str, rank: int) -> None:
+        for block_hash in self._by_holder.pop((holder, rank), set()):
+            self._remove(block_hash, holder, rank)
 
-    def _remove(self, block_hash: int, field: tuple[str, str]) -> None:
-        fields = self._blocks.get(block_hash)
-        if fields is not None:
-            fields.pop(field, None)
-            if not fields:
+    def _remove(self, block_hash: int, holder: str, rank: int) -> None:
+        holders = self._blocks.get(block_hash)
+        if holders is None or holder not in holders:
+            return
+        ranks = holders[holder]
+        ranks.pop(rank, None)
+        if not ranks:
+            del holders[holder]
+            if not holders:
                 del self._blocks[block_hash]
+
+
+def _live_ranks(holders: dict[str, dict[int, float]], now: float) -> dict[str, int]:
+    """holder -> fastest unexpired tier rank of one block."""
+    best: dict[str, int] = {}
+    for holder, ranks in holders.items():
+        for rank, expiry in ranks.items():
+            if expiry > now and rank < best.get(holder, len(TIERS)):
+                best[holder] = rank
+    return best
 
 
 def make_index(url: str, ttl_s: float = DEFAULT_TTL_S) -> PrefixIndex:
