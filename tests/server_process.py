@@ -45,6 +45,24 @@ def metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
+def worker_metric(url: str, name: str, worker: str) -> float:
+    """The value of a per-worker metric series (0.0 while the worker has not reported it)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{") and f'worker="{worker}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def worker_pids(server: ServerProcess) -> dict[str, int]:
+    """Worker id -> process id, from the lines the launcher prints at start."""
+    pids = {}
+    for line in server.lines:
+        if line.startswith("splitserve worker "):
+            words = line.split()
+            pids[words[2]] = int(words[-1])
+    return pids
+
+
 @contextmanager
 def serve(*overrides: str) -> Iterator[ServerProcess]:
     """Run `splitserve serve --set ...` until the block ends, then SIGTERM it (exit code 0)."""

@@ -235,7 +235,14 @@ def test_disconnect_during_non_streamed_request_aborts_it(server: ServerProcess)
 
 def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "workers_ready": 1}
+    assert httpx.get(f"{server.url}/health").json() == {
+        "status": "ok",
+        "workers_ready": 2,
+        "pools": {
+            "prefill": {"status": "ok", "replicas": 1, "ready": 1},
+            "decode": {"status": "ok", "replicas": 1, "ready": 1},
+        },
+    }
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds"):
         assert f"splitserve:{name}" in text

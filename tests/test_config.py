@@ -11,21 +11,37 @@ from splitserve.config import DEFAULT_CONFIG, ConfigError, load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_default_is_local_yaml_with_one_colocated_worker() -> None:
+def test_default_is_local_yaml_with_one_prefill_and_one_decode_worker() -> None:
     config = load_config()
     assert DEFAULT_CONFIG == REPO / "configs" / "local.yaml"
     assert config.model == "smollm2-135m-instruct"
     assert config.server.host == "127.0.0.1" and config.server.port == 8000
     assert config.server.api_keys == ()
-    [(name, pool)] = config.pools.items()
-    assert (pool.role, pool.replicas, pool.device) == ("both", 1, "cpu")
-    engine = config.engine_config(name)
+    assert config.disaggregated
+    roles = {name: (p.role, p.replicas, p.device) for name, p in config.pools.items()}
+    assert roles == {"prefill": ("prefill", 1, "cpu"), "decode": ("decode", 1, "cpu")}
+    assert sum(p.num_cpus for p in config.pools.values()) <= 2
+    assert (config.transfer.backend, config.transfer.fault_send_delay_s) == ("auto", 0.0)
+    engine = config.engine_config("decode")
     assert (engine.model, engine.device, engine.max_model_len) == (config.model, "cpu", 2048)
 
 
 def test_colocated_yaml_loads() -> None:
     config = load_config(REPO / "configs" / "colocated.yaml")
     assert [p.role for p in config.pools.values()] == ["both"]
+    assert not config.disaggregated
+
+
+def test_gpu_1p1d_places_each_pool_on_its_labelled_nodes_with_one_gpu() -> None:
+    config = load_config(REPO / "configs" / "gpu-1p1d.yaml")
+    assert config.transfer.backend == "nccl"
+    assert config.pools["prefill"].bundle() == {"CPU": 2.0, "GPU": 1.0, "prefill_node": 0.001}
+    assert config.pools["decode"].bundle() == {"CPU": 2.0, "GPU": 1.0, "decode_node": 0.001}
+
+
+def test_the_prefill_decode_ratio_is_two_numbers() -> None:
+    config = load_config(None, ["pools.prefill.replicas=3", "pools.decode.replicas=2"])
+    assert [config.pools[n].replicas for n in ("prefill", "decode")] == [3, 2]
 
 
 def test_dotted_overrides_parse_values_as_yaml() -> None:
@@ -34,22 +50,23 @@ def test_dotted_overrides_parse_values_as_yaml() -> None:
         [
             "server.port=9000",
             "server.api_keys=[a, b]",
-            "pools.colocated.replicas=2",
-            "pools.colocated.engine.max_num_seqs=8",
-            "pools.colocated.num_cpus=0.5",
+            "pools.decode.replicas=2",
+            "pools.decode.engine.max_num_seqs=8",
+            "pools.prefill.num_cpus=0.25",
             "ray.address=auto",
         ],
     )
     assert config.server.port == 9000
     assert config.server.api_keys == ("a", "b")
-    assert config.pools["colocated"].replicas == 2
-    assert config.engine_config("colocated").max_num_seqs == 8
-    assert config.pools["colocated"].num_cpus == 0.5
+    assert config.pools["decode"].replicas == 2
+    assert config.engine_config("decode").max_num_seqs == 8
+    assert config.engine_config("prefill").max_num_seqs == 64
+    assert config.pools["prefill"].num_cpus == 0.25
     assert config.ray.address == "auto"
 
 
 def test_override_can_add_a_pool_with_defaults() -> None:
-    config = load_config(None, ["pools.extra.replicas=3"])
+    config = load_config(REPO / "configs" / "colocated.yaml", ["pools.extra.replicas=3"])
     assert config.pools["extra"].replicas == 3 and config.pools["extra"].role == "both"
 
 
@@ -60,9 +77,14 @@ def test_override_can_add_a_pool_with_defaults() -> None:
         ("server.port=abc", "server.port must be int, got 'abc'"),
         ("server.port=70000", "server.port must be in [0, 65535]"),
         ("server.max_n=true", "server.max_n must be int, got True"),
-        ("pools.colocated.role=prefill", "role 'prefill' is not supported"),
-        ("pools.colocated.replicas=0", "replicas must be at least 1"),
-        ("pools.colocated.engine.block_size=3", "pools.colocated.engine: block_size"),
+        ("pools.decode.role=vision", "role 'vision' is not supported"),
+        ("pools.decode.role=prefill", "exactly one prefill pool and one decode pool"),
+        ("pools.extra.role=both", "exactly one prefill pool and one decode pool"),
+        ("transfer.backend=mpi", "transfer.backend 'mpi' is not one of"),
+        ("transfer.timeout_s=0", "transfer.timeout_s must be positive"),
+        ("pools.decode.resources={gpu_node: -1}", "resources must be non-negative"),
+        ("pools.decode.replicas=0", "replicas must be at least 1"),
+        ("pools.decode.engine.block_size=3", "pools.decode.engine: block_size"),
         ("server.port.x=1", "server.port is not a mapping"),
         ("noequals", "is not of the form dotted.key=value"),
     ],

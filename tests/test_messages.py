@@ -42,6 +42,22 @@ def test_stats_and_abort_round_trip() -> None:
     assert msg.decode(msg.encode(abort)) == abort
 
 
+def test_disaggregation_messages_round_trip() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    logprobs = [msg.TokenLogprob(7, -0.1, 1, "a"), msg.TokenLogprob(8, -2.5, 2, None)]
+    messages = [
+        msg.Reserve("r", [1, 2], params, "prefill-0"),
+        msg.Reserved("r"),
+        msg.Prefill("r", [1, 2], params, "decode-0", "tcp://127.0.0.1:5555"),
+        msg.KvHeader("r", "prefill-0", 3, 7, logprobs, [2, 30, 1, 16, 3, 64], "float32"),
+        msg.KvHeader("r", "prefill-0", 0, 7, None, [2, 1, 1, 16, 1, 8], "bfloat16"),
+        msg.WorkerStats("w", 1, 2, 3, 4, 0.5, 6, 7, 737280, [0.001, 0.25]),
+        msg.OutputBatch([], [msg.RequestError("r", "transfer failed", 503)]),
+    ]
+    for message in messages:
+        assert msg.decode(msg.encode(message)) == message
+
+
 def test_wire_format_is_type_name_and_field_values() -> None:
     raw = msgpack.unpackb(msg.encode(msg.AbortRequest(["a"])))
     assert raw == ["AbortRequest", [["a"]]]
