@@ -76,7 +76,8 @@ class ModelRunner:
             num_blocks = max(1, budget // self.kv_bytes_per_block())
         # One block more than the block manager hands out: the scratch block of padded rows.
         shape = (2, cfg.num_layers, num_blocks + 1, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeroed: masked attention over never-written slots must not meet NaN bit patterns.
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, index]
             attn.v_cache = self.kv_cache[1, index]
