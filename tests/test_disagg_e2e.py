@@ -1,0 +1,76 @@
+"""One prefill worker + one decode worker (the default config) over gloo, against colocated."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from splitserve.engine.llm import LLM
+from splitserve.engine.request import SamplingParams
+from tests.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
+from tests.server_process import ServerProcess, serve, worker_metric
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with serve() as process:
+        yield process
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+def test_30_prompts_greedy_equal_colocated_token_for_token(
+    server: ServerProcess, smollm2_llm: LLM, stream: bool
+) -> None:
+    assert completions(server.url, PROMPTS, stream) == reference(smollm2_llm, PROMPTS)
+
+
+def test_32_concurrent_chat_streams_equal_colocated(
+    server: ServerProcess, smollm2_llm: LLM
+) -> None:
+    chats = [
+        [{"role": "user", "content": f"Give me a word that rhymes with {w}."}] for w in range(32)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    expected = [o.outputs[0].text for o in smollm2_llm.chat(chats, params, use_tqdm=False)]
+    client = openai.AsyncOpenAI(base_url=server.api, api_key="unused", max_retries=0)
+
+    async def one(messages: list[dict[str, str]]) -> str:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run_all() -> list[str]:
+        return list(await asyncio.gather(*(one(m) for m in chats)))
+
+    assert asyncio.run(run_all()) == expected
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 37])
+def test_kv_bytes_of_one_request_are_layers_x_2_x_block_tokens_x_heads_x_dim_x_dtype(
+    server: ServerProcess, smollm2_llm: LLM, num_tokens: int
+) -> None:
+    before = {w: worker_metric(server.url, BYTES, w) for w in ("prefill-0", "decode-0")}
+    client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0)
+    prompt = [1000 + i for i in range(num_tokens)]
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    expected = kv_bytes(smollm2_llm, num_tokens)
+    assert expected % (30 * 2 * 16 * 3 * 64 * 4) == 0  # SmolLM2: 30 layers, 3 kv heads, fp32
+    for worker, start in before.items():
+        deadline = time.monotonic() + 10
+        while worker_metric(server.url, BYTES, worker) == start and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker_metric(server.url, BYTES, worker) - start == expected
+
+
+BYTES = "splitserve:kv_transfer_bytes_total"

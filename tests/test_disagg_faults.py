@@ -1,0 +1,98 @@
+"""A prefill worker killed mid-request: the clients get errors, the decode worker its blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.disagg import MODEL
+from tests.server_process import ServerProcess, serve, worker_metric, worker_pids
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 8.0
+SEND_DELAY_S = 3.0
+HEARTBEAT_S = 5.0
+FREE = "splitserve:worker_kv_cache_free_blocks"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with serve(
+        f"transfer.timeout_s={TIMEOUT_S}",
+        f"transfer.fault_send_delay_s={SEND_DELAY_S}",  # a window to kill the sender in
+        f"server.heartbeat_timeout_s={HEARTBEAT_S}",
+    ) as process:
+        yield process
+
+
+def body(stream: bool, first: int) -> dict[str, object]:
+    """A 200-token prompt of its own (no prefix shared with the other requests)."""
+    prompt = [first + i for i in range(200)]
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}
+
+
+def streamed_events(url: str) -> list[dict[str, object]]:
+    events = []
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body(True, 3000), timeout=60
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+            elif line == "data: [DONE]":
+                events.append({"done": True})
+    return events
+
+
+def wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_killing_the_prefill_worker_fails_its_requests_and_frees_reserved_blocks(
+    server: ServerProcess,
+) -> None:
+    warm = httpx.post(f"{server.url}/v1/completions", json=body(False, 1000), timeout=60)
+    assert warm.status_code == 200  # the prefill -> decode channel exists now
+    time.sleep(0.5)
+    free_before = worker_metric(server.url, FREE, "decode-0")
+    results: dict[str, object] = {}
+    threads = [
+        threading.Thread(
+            target=lambda: results.update(
+                full=httpx.post(f"{server.url}/v1/completions", json=body(False, 2000), timeout=60)
+            )
+        ),
+        threading.Thread(target=lambda: results.update(streamed=streamed_events(server.url))),
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: worker_metric(server.url, FREE, "decode-0") < free_before, 20)
+    time.sleep(SEND_DELAY_S / 2)
+    os.kill(worker_pids(server)["prefill-0"], signal.SIGKILL)
+    killed = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S + HEARTBEAT_S + 10)
+    assert time.monotonic() - killed < TIMEOUT_S + 2
+
+    full = results["full"]
+    assert isinstance(full, httpx.Response) and full.status_code == 503
+    assert full.json()["error"]["code"] == "request_failed"
+    streamed = results["streamed"]
+    assert isinstance(streamed, list)
+    assert "error" in streamed[-2] and streamed[-1] == {"done": True}
+
+    wait_for(lambda: worker_metric(server.url, FREE, "decode-0") == free_before, 10)
+    wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, HEARTBEAT_S + 5)
+    pools = httpx.get(f"{server.url}/health").json()["pools"]
+    assert pools["prefill"] == {"status": "unavailable", "replicas": 1, "ready": 0}
+    assert pools["decode"] == {"status": "ok", "replicas": 1, "ready": 1}
