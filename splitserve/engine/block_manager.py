@@ -74,12 +74,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = req.num_computed_tokens // self.block_size
+        if full <= req.num_committed_blocks:
+            return
         hashes = self._block_hashes(req)
-        for index in range(full):
+        for index in range(req.num_committed_blocks, full):
             block = self.blocks[req.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached:
                 block.block_hash = hashes[index]
                 self.cached[hashes[index]] = block.block_id
+        req.num_committed_blocks = full
 
     def free(self, req: Request) -> None:
         """Release req's blocks, tail first, so that prefixes outlive their suffixes."""
@@ -89,6 +92,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         req.block_table = []
+        req.num_committed_blocks = 0
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)

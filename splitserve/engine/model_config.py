@@ -119,6 +119,7 @@ SHAPES = {
         tie_word_embeddings=True,
     ),
     "llama3-8b": _shape(
+        max_position_embeddings=131072,
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,

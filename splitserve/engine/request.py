@@ -119,6 +119,7 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self._all_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.output_token_ids: list[int] = []
@@ -130,6 +131,7 @@ class Request:
         self.admitted = False
         self.prefill_only = False
         self.block_table: list[int] = []
+        self.num_committed_blocks = 0
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -141,7 +143,11 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens; one list extended in place (outputs only ever grow)."""
+        missing = self.num_tokens - len(self._all_token_ids)
+        if missing:
+            self._all_token_ids.extend(self.output_token_ids[-missing:])
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:

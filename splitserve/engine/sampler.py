@@ -28,6 +28,8 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
         """logits: [len(reqs), vocab] float32 on any device."""
+        if all(_plain_greedy(r) for r in reqs):
+            return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
         logits = logits.float().cpu()
         raw = logits
         if any(r.params.logprobs is not None for r in reqs):
@@ -48,6 +50,18 @@ class Sampler:
         generator = req.generator or self.generator
         noise = torch.empty_like(probs).exponential_(generator=generator)
         return int(torch.argmax(probs / noise))
+
+
+def _plain_greedy(req: Request) -> bool:
+    p = req.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and req.num_output_tokens >= p.min_tokens
+    )
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> None:
