@@ -64,6 +64,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--shape", default="llama3-8b", help="random-weight model shape")
     parser.add_argument("--skip-engines", action="store_true", help="bandwidth only")
     parser.add_argument("--out", default=None, help="result folder (default: $OUT or .)")
+    parser.add_argument("--commit", default=None, help="recorded commit (default: git HEAD)")
     return parser.parse_args()
 
 
@@ -94,8 +95,11 @@ def _bandwidth(rank: int, device: torch.device, transport: KVTransport) -> list[
     rows = []
     for size in SIZES_MIB:
         buffer = torch.full((size * MIB // 2,), float(rank), dtype=torch.bfloat16, device=device)
-        ways = {"kv_transport": lambda b=buffer: _transport_once(rank, transport, b)}
-        ways["raw_send_recv"] = lambda b=buffer: _raw_once(rank, b)
+        ways = {
+            "kv_transport": lambda b=buffer: _transport_once(rank, transport, b),
+            "raw_send_recv": lambda b=buffer: _raw_once(rank, b),
+            "raw_send_recv_sync": lambda b=buffer: _raw_once(rank, b, sync=True),
+        }
         row: dict[str, Any] = {"mib": size}
         for name, once in ways.items():
             once()  # warm-up (and channel creation)
@@ -121,11 +125,14 @@ def _transport_once(rank: int, transport: KVTransport, buffer: torch.Tensor) -> 
         transport.recv("prefill", 0, buffer)
 
 
-def _raw_once(rank: int, buffer: torch.Tensor) -> None:
+def _raw_once(rank: int, buffer: torch.Tensor, sync: bool = False) -> None:
+    """One raw send/recv; sync waits for it like a request's transfer does (no pipelining)."""
     if rank == 0:
         dist.send(buffer, dst=1)
     else:
         dist.recv(buffer, src=0)
+    if sync:
+        torch.cuda.synchronize()
 
 
 def _ttft(rank: int, shape: str, device: torch.device, transport: KVTransport) -> dict[str, Any]:
@@ -144,6 +151,7 @@ def _ttft(rank: int, shape: str, device: torch.device, transport: KVTransport) -
         seed=0,
     )
     engine = LLMEngine(config)
+    _same_random_weights(engine, device)
     vocab = engine.model_config.vocab_size
     out: dict[str, Any] = {"colocated_s": {}, "handoff_s": {}, "equal": {}}
     for length in PROMPT_LENS:
@@ -163,6 +171,18 @@ def _ttft(rank: int, shape: str, device: torch.device, transport: KVTransport) -
             out["handoff_end"] = out.get("handoff_end", {})
             out["handoff_end"][length], out["equal"][length] = _receive(engine, transport, prompts)
     return out
+
+
+def _same_random_weights(engine: Any, device: torch.device) -> None:
+    """Random-shape weights are not seeded; give both GPUs the same ones (Philox on the
+    device, same seed, same order), so that the handoff can be compared token for token."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in engine.runner.model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
 
 
 def _params() -> Any:
@@ -240,7 +260,7 @@ def _report(args: argparse.Namespace, results: dict[int, dict[str, Any]]) -> dic
     ]
     report: dict[str, Any] = {
         "benchmark": "gpu_disagg",
-        "commit": _commit(),
+        "commit": args.commit or _commit(),
         "torch": torch.__version__,
         "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
         "iters": ITERS,
@@ -268,17 +288,21 @@ def _mean(values: list[float]) -> float:
 
 def _commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def _print(report: dict[str, Any]) -> None:
-    print(f"{'MiB':>6} {'KVTransport GB/s':>17} {'raw send/recv GB/s':>19} {'ok':>4}")
+    print("GB/s per transfer size; raw sync waits for each transfer, as a request's does")
+    print(f"{'MiB':>6} {'KVTransport':>12} {'raw sync':>9} {'raw pipelined':>14} {'ok':>4}")
     for row in report["bandwidth"]:
         print(
-            f"{row['mib']:>6} {row['kv_transport_gbps']:>17.1f} "
-            f"{row['raw_send_recv_gbps']:>19.1f} {row['received_ok']!s:>4}"
+            f"{row['mib']:>6} {row['kv_transport_gbps']:>12.1f} "
+            f"{row['raw_send_recv_sync_gbps']:>9.1f} {row['raw_send_recv_gbps']:>14.1f} "
+            f"{row['received_ok']!s:>4}"
         )
     for row in report.get("ttft", []):
         print(

@@ -155,10 +155,6 @@ class DeployConfig:
         """True for a prefill pool plus a decode pool, False for colocated (`both`) pools."""
         return any(p.role != "both" for p in self.pools.values())
 
-    def pool_of_role(self, role: str) -> str:
-        """The name of the (only) pool with ``role``."""
-        return next(name for name, p in self.pools.items() if p.role == role)
-
     def engine_config(self, pool: str) -> EngineConfig:
         """The EngineConfig for one replica of ``pool``."""
         spec = self.pools[pool]
