@@ -7,7 +7,7 @@ worker. Workers whose heartbeat stopped are skipped while any healthy one is lef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.router.policy import Candidate, Policy, RequestInfo, make_policy
@@ -32,12 +32,18 @@ class Router:
         decode: Sequence[Candidate],
         prefill: Sequence[Candidate] = (),
     ) -> Plan:
-        prefill_index = _choose(self.prefill_policy, prefill, request) if prefill else None
-        return Plan(prefill_index, _choose(self.decode_policy, decode, request))
+        prefill_index = (
+            _choose(self.prefill_policy.choose_prefill, prefill, request) if prefill else None
+        )
+        return Plan(prefill_index, _choose(self.decode_policy.choose_decode, decode, request))
 
 
-def _choose(policy: Policy, candidates: Sequence[Candidate], request: RequestInfo) -> int:
+def _choose(
+    choose: Callable[[Sequence[Candidate], RequestInfo], int],
+    candidates: Sequence[Candidate],
+    request: RequestInfo,
+) -> int:
     healthy = [i for i, c in enumerate(candidates) if c.healthy]
     if not healthy or len(healthy) == len(candidates):
-        return policy.choose(candidates, request)
-    return healthy[policy.choose([candidates[i] for i in healthy], request)]
+        return choose(candidates, request)
+    return healthy[choose([candidates[i] for i in healthy], request)]

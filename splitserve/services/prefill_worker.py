@@ -73,6 +73,7 @@ class PrefillWorker(EngineWorker):
                 prefilled = self.engine.handoff.pop_prefilled(output.request_id)
                 route = self._routes.pop(output.request_id, None)
                 if route is not None:
+                    _wait_for_device(prefilled.kv)
                     self._outbox.put((route, prefilled))
         self._send_outputs([])
 
@@ -133,3 +134,9 @@ class PrefillWorker(EngineWorker):
             return False
         self._transfer_seconds.put(time.monotonic() - start)
         return True
+
+
+def _wait_for_device(kv: torch.Tensor) -> None:
+    """The gather ran on this thread's stream; the sender thread's send must see its result."""
+    if kv.device.type == "cuda":
+        torch.cuda.current_stream(kv.device).synchronize()
