@@ -1,10 +1,11 @@
 """PrefillWorker: computes prompts and sends their KV to the decode worker that reserved it.
 
 The loop thread runs the engine with ``prefill_only`` requests. When a prompt is done, its
-KV (already gathered into one contiguous tensor) and first token go to a queue that one
-sender thread works through in order: a KvHeader message to the decode worker's ZMQ socket,
-then the tensor over the KV transport. One sender keeps the sends on each channel in the
-order the headers announced them.
+KV (already gathered into one contiguous tensor) and first token go to the queue of its
+decode worker, which that peer's sender thread works through in order: a KvHeader message
+to the decode worker's ZMQ socket, then the tensor over the KV transport. One thread per
+peer keeps the sends on each channel in the order the headers announced them, and a decode
+worker that stopped receiving holds up only its own transfers.
 """
 
 from __future__ import annotations
@@ -44,9 +45,7 @@ class PrefillWorker(EngineWorker):
             self.transfer.get("timeout_s", 30.0),
         )
         self._routes: dict[str, _Route] = {}
-        self._outbox: queue.Queue[tuple[_Route, Prefilled]] = queue.Queue()
-        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
-        self._sender.start()
+        self._outboxes: dict[str, queue.Queue[Prefilled]] = {}
 
     def _handle(self, message: msg.Message) -> None:
         if isinstance(message, msg.Prefill):
@@ -74,30 +73,36 @@ class PrefillWorker(EngineWorker):
                 route = self._routes.pop(output.request_id, None)
                 if route is not None:
                     _wait_for_device(prefilled.kv)
-                    self._outbox.put((route, prefilled))
+                    self._outbox(route).put(prefilled)
         self._send_outputs([])
 
     def _transfer_bytes(self) -> int:
         return self.transport.bytes_sent
 
-    def _send_loop(self) -> None:
-        """The sender thread: owns the header sockets and the channel generations."""
-        sockets: dict[str, zmq.Socket] = {}
-        generations: dict[str, int] = {}
+    def _outbox(self, route: _Route) -> queue.Queue[Prefilled]:
+        """The queue of route's decode worker; its sender thread starts with it."""
+        if route.decode_worker not in self._outboxes:
+            outbox: queue.Queue[Prefilled] = queue.Queue()
+            self._outboxes[route.decode_worker] = outbox
+            name = f"kv-send-{route.decode_worker}"
+            threading.Thread(
+                target=self._send_loop, args=(route, outbox), name=name, daemon=True
+            ).start()
+        return self._outboxes[route.decode_worker]
+
+    def _send_loop(self, route: _Route, outbox: queue.Queue[Prefilled]) -> None:
+        """A sender thread: owns one peer's header socket and channel generation."""
+        socket = self._header_socket(route.kv_addr)
+        generation = 0
         while not self._stop.is_set():
             try:
-                route, prefilled = self._outbox.get(timeout=QUEUE_POLL_S)
+                prefilled = outbox.get(timeout=QUEUE_POLL_S)
             except queue.Empty:
                 continue
-            if route.kv_addr not in sockets:
-                sockets[route.kv_addr] = self._header_socket(route.kv_addr)
-            peer = route.decode_worker
-            generation = generations.setdefault(peer, 0)
-            sockets[route.kv_addr].send(msg.encode(self._header(prefilled, generation)))
-            if not self._send_kv(peer, generation, prefilled):
-                generations[peer] = generation + 1
-        for socket in sockets.values():
-            socket.close(linger=0)
+            socket.send(msg.encode(self._header(prefilled, generation)))
+            if not self._send_kv(route.decode_worker, generation, prefilled):
+                generation += 1
+        socket.close(linger=0)
 
     def _header_socket(self, addr: str) -> zmq.Socket:
         socket = self._ctx.socket(zmq.PUSH)
