@@ -38,11 +38,15 @@ def free_port() -> int:
 
 
 def metric(url: str, name: str) -> float:
-    """The value of an unlabelled-or-single-series metric from /metrics."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    """The sum of a metric's series from /metrics (KeyError when it has none)."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{url}/metrics").text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    if not values:
+        raise KeyError(name)
+    return sum(values)
 
 
 def worker_metric(url: str, name: str, worker: str) -> float:

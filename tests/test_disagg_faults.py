@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 8.0
 SEND_DELAY_S = 3.0
 HEARTBEAT_S = 5.0
-FREE = "splitserve:worker_kv_cache_free_blocks"
+FREE = "splitserve:kv_cache_free_blocks"
 
 
 @pytest.fixture(scope="module")

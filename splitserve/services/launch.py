@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default=None, help="shorthand for --set server.host=HOST")
     parser.add_argument("--port", type=int, default=None, help="shorthand for server.port")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help='join this Ray cluster ("auto": the one running on this node) instead of '
+        "starting a private one; shorthand for --set ray.address=ADDRESS",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"server.host={args.host}")
     if args.port is not None:
         overrides.append(f"server.port={args.port}")
+    if args.address is not None:
+        overrides.append(f"ray.address={args.address}")
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -222,6 +230,7 @@ async def _serve(deployment: Deployment) -> None:
     from splitserve.services.metrics import Metrics
 
     config = deployment.config
+    _log_requests_to_stdout()
     metrics = Metrics(config.model)
     endpoints = [
         WorkerEndpoint(w["worker_id"], w["request_addr"], w["output_addr"], w["role"], w["kv_addr"])
@@ -268,6 +277,16 @@ async def _announce_when_ready(
         await asyncio.sleep(0.05)
     url = f"http://{config.server.host}:{config.server.port}"
     print(f"splitserve ready: {url} (model {config.model})", flush=True)
+
+
+def _log_requests_to_stdout() -> None:
+    """The structured request log (one JSON line per finished request) goes to stdout."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("splitserve request %(message)s"))
+    logger = logging.getLogger("splitserve.requests")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _interrupt_on_signals() -> dict[int, Any]:

@@ -1,13 +1,17 @@
 """Prometheus metrics of the service, defined in one place.
 
 Each server owns a private registry (so that tests can build several apps in one process).
-Worker-side numbers (running, waiting, KV blocks) arrive as WorkerStats messages and are
-summed over the workers; request-side numbers are counted by the API server.
+Every series carries ``model_name`` and the ``pool`` / ``worker`` it belongs to, so that one
+scrape of the API server's /metrics sees the whole deployment. Worker-side numbers (running,
+waiting, KV blocks, transfers, prefix cache) arrive as WorkerStats messages; request-side
+numbers are measured by the API server and labelled with the worker that did the work:
+the prompt's (TTFT, queue and prefill time, prompt tokens) or the answer's (the rest).
+Series of the API server itself (admission, refusals before routing) use pool="api".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from contextlib import suppress
 
 from prometheus_client import (
     CollectorRegistry,
@@ -22,89 +26,132 @@ from splitserve.services.messages import WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()
+API_POOL = "api"
+LABELS = ("model_name", "pool", "worker")
+WORKER_STATES = ("starting", "ready", "unhealthy", "draining")
+DEVICE_TIER = "device"
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self.model_name = model_name
+        reg = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"splitserve:{name}", doc, labels, registry=self.registry)
+            return Gauge(f"splitserve:{name}", doc, LABELS, registry=reg)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"splitserve:{name}", doc, [*labels, *extra], registry=self.registry)
+            return Counter(f"splitserve:{name}", doc, [*LABELS, *extra], registry=reg)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(
-                f"splitserve:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry
-            )
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+        ) -> Histogram:
+            return Histogram(f"splitserve:{name}", doc, LABELS, buckets=buckets, registry=reg)
 
         self.num_requests_running = gauge("num_requests_running", "Sequences in engine batches")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting in engines")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Used KV blocks, 0..1")
-        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV blocks, all workers")
-        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV blocks, all workers")
-        self.num_workers_ready = gauge("num_workers_ready", "Workers with a recent heartbeat")
+        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV blocks")
+        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV blocks")
         self.num_requests_admitted = gauge(
-            "num_requests_admitted", "Engine requests admitted by the API server"
+            "num_requests_admitted", "Engine requests admitted by the API server, not finished"
+        )
+        self.num_workers = Gauge(
+            "splitserve:num_workers",
+            "Workers by pool and state (starting, ready, unhealthy, draining)",
+            ["model_name", "pool", "state"],
+            registry=reg,
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        self.prefix_cache_hits = counter("prefix_cache_hit_tokens", "Prompt tokens served from KV")
         self.request_success = counter(
             "request_success", "Finished engine requests", ("finished_reason",)
         )
-        self.requests_rejected = counter("requests_rejected", "Requests refused", ("reason",))
+        self.request_failure = counter(
+            "request_failure", "Engine requests that failed or were refused", ("reason",)
+        )
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "KV bytes a worker sent (prefill) or received (decode)"
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ("tier",)
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache", ("tier",)
+        )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from admission to the first token"
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two tokens of a request", _TOKEN_BUCKETS
+        )
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time divided by the tokens after the first",
+            _TOKEN_BUCKETS,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from admission to the last token"
         )
-        worker = [*labels, "worker"]
-        self.worker_free_blocks = Gauge(
-            "splitserve:worker_kv_cache_free_blocks",
-            "Free KV blocks per worker",
-            worker,
-            registry=self.registry,
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time from admission until the prompt is sent to the worker that computes it",
         )
-        self.kv_transfer_bytes = Counter(
-            "splitserve:kv_transfer_bytes",
-            "KV bytes a worker sent (prefill) or received (decode)",
-            worker,
-            registry=self.registry,
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from sending the prompt to the first token"
         )
-        self.kv_transfer_seconds = Histogram(
-            "splitserve:kv_transfer_seconds",
-            "Duration of one request's KV transfer, per worker",
-            worker,
-            buckets=_TRANSFER_BUCKETS,
-            registry=self.registry,
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last"
         )
-        self.model_name = model_name
+        self.kv_transfer_seconds = histogram(
+            "kv_transfer_seconds", "Duration of one request's KV transfer", _TRANSFER_BUCKETS
+        )
 
-    def observe_transfers(self, stats: WorkerStats, new_bytes: int) -> None:
-        """Count a worker's KV bytes since its previous stats and its finished transfers."""
-        m, w = self.model_name, stats.worker_id
-        self.worker_free_blocks.labels(m, w).set(stats.num_free_blocks)
-        self.kv_transfer_bytes.labels(m, w).inc(max(new_bytes, 0))
+    def labels(self, pool: str, worker: str) -> tuple[str, str, str]:
+        return (self.model_name, pool, worker)
+
+    def observe_stats(self, pool: str, stats: WorkerStats, previous: WorkerStats | None) -> None:
+        """A worker's gauges from its latest stats; its counters grow by the change since
+        ``previous`` (its stats before, None for the first)."""
+        key = self.labels(pool, stats.worker_id)
+        self.num_requests_running.labels(*key).set(stats.num_running)
+        self.num_requests_waiting.labels(*key).set(stats.num_waiting)
+        self.kv_cache_free_blocks.labels(*key).set(stats.num_free_blocks)
+        self.kv_cache_total_blocks.labels(*key).set(stats.num_total_blocks)
+        self.kv_cache_usage_perc.labels(*key).set(stats.kv_usage)
         for seconds in stats.kv_transfer_seconds:
-            self.kv_transfer_seconds.labels(m, w).observe(seconds)
+            self.kv_transfer_seconds.labels(*key).observe(seconds)
+        before = previous or WorkerStats(stats.worker_id, 0, 0, 0, 0, 0.0, 0, 0)
+        self.kv_transfer_bytes.labels(*key).inc(
+            max(stats.kv_transfer_bytes - before.kv_transfer_bytes, 0)
+        )
+        cached = max(stats.prompt_tokens_cached - before.prompt_tokens_cached, 0)
+        computed = max(stats.prompt_tokens_computed - before.prompt_tokens_computed, 0)
+        self.prefix_cache_queries.labels(*key, DEVICE_TIER).inc(cached + computed)
+        self.prefix_cache_hits.labels(*key, DEVICE_TIER).inc(cached)
 
-    def set_worker_stats(self, stats: Iterable[WorkerStats]) -> None:
-        """Replace the worker gauges with the sums over the latest stats of each worker."""
-        items = list(stats)
-        free = sum(s.num_free_blocks for s in items)
-        total = sum(s.num_total_blocks for s in items)
-        m = self.model_name
-        self.num_requests_running.labels(m).set(sum(s.num_running for s in items))
-        self.num_requests_waiting.labels(m).set(sum(s.num_waiting for s in items))
-        self.kv_cache_free_blocks.labels(m).set(free)
-        self.kv_cache_total_blocks.labels(m).set(total)
-        self.kv_cache_usage_perc.labels(m).set(1.0 - free / total if total else 0.0)
+    def forget_worker(self, pool: str, worker: str) -> None:
+        """Drop a removed worker's gauges, so that they do not show its last values forever."""
+        key = self.labels(pool, worker)
+        for gauge in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_free_blocks,
+            self.kv_cache_total_blocks,
+            self.kv_cache_usage_perc,
+        ):
+            with suppress(KeyError):
+                gauge.remove(*key)
+
+    def set_num_workers(self, counts: dict[str, dict[str, int]]) -> None:
+        """counts: pool -> state -> number of workers; states absent from it read 0."""
+        for pool, states in counts.items():
+            for state in WORKER_STATES:
+                self.num_workers.labels(self.model_name, pool, state).set(states.get(state, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

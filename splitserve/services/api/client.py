@@ -12,6 +12,8 @@ worker (reserve first, so that blocks exist before any compute is spent).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,10 +25,12 @@ from splitserve.engine.request import SamplingParams
 from splitserve.router.policy import Candidate, RequestInfo
 from splitserve.router.router import Router
 from splitserve.services import messages as msg
-from splitserve.services.metrics import Metrics
+from splitserve.services.metrics import API_POOL, Metrics
 
 HEARTBEAT_TIMEOUT_S = 15.0
 SWEEP_INTERVAL_S = 1.0
+DRAIN_POLL_S = 0.05
+request_log = logging.getLogger("splitserve.requests")
 
 
 class QueueFullError(Exception):
@@ -63,6 +67,15 @@ class _Tracked:
     prefill: int | None = None
     pending_prefill: msg.Prefill | None = None
     first_token: bool = False
+    sent: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    num_tokens: int = 0
+
+    @property
+    def prompt_worker(self) -> int:
+        """The worker that computes the prompt: the prefill worker, or the only one."""
+        return self.worker if self.prefill is None else self.prefill
 
 
 @dataclass
@@ -73,7 +86,24 @@ class _Worker:
     last_seen: float = field(default=-1e9)
     inflight: int = 0
     blocks_since_stats: int = 0
-    transfer_bytes: int = 0
+    draining: bool = False
+    removed: bool = False
+
+    @property
+    def pool(self) -> str:
+        """Worker ids are `<pool>-<index>`."""
+        return self.endpoint.worker_id.rsplit("-", 1)[0]
+
+    @property
+    def routable(self) -> bool:
+        return not (self.draining or self.removed)
+
+    def state(self, now: float, timeout_s: float) -> str:
+        if self.draining:
+            return "draining"
+        if self.last_stats is None:
+            return "starting"
+        return "ready" if self.healthy(now, timeout_s) else "unhealthy"
 
     def healthy(self, now: float, timeout_s: float) -> bool:
         return now - self.last_seen < timeout_s
@@ -138,7 +168,7 @@ class WorkerClient:
         """Per role: how many workers there are and how many sent a heartbeat recently."""
         now = time.monotonic()
         result: dict[str, dict[str, int]] = {}
-        for w in self._workers:
+        for w in self._live():
             pool = result.setdefault(w.endpoint.role, {"replicas": 0, "ready": 0})
             pool["replicas"] += 1
             pool["ready"] += int(w.healthy(now, self.heartbeat_timeout_s))
@@ -151,7 +181,61 @@ class WorkerClient:
 
     @property
     def ready(self) -> bool:
-        return self.num_ready == len(self._workers)
+        return self.num_ready == len(self._live())
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self._workers if not w.removed]
+
+    def worker_ids(self, pool: str) -> list[str]:
+        """The ids of a pool's workers that take new requests, oldest first."""
+        return [w.endpoint.worker_id for w in self._workers if w.routable and w.pool == pool]
+
+    def add_worker(self, endpoint: WorkerEndpoint) -> None:
+        """Route to a newly started worker from now on."""
+        worker = _Worker(endpoint, self._push_socket(endpoint.request_addr))
+        self._workers.append(worker)
+        index = len(self._workers) - 1
+        (self._prefill if endpoint.role == "prefill" else self._decode).append(index)
+        self._pull.connect(endpoint.output_addr)
+        self._count_workers()
+
+    async def drain(self, worker_id: str) -> None:
+        """Stop routing new requests to a worker and wait until its requests are done
+        (a prefill worker's once their first token arrived, a decode worker's once they
+        finished), then stop talking to it."""
+        index, worker = self._find(worker_id)
+        worker.draining = True
+        self._count_workers()
+        while any(self._waits_on(t, index) for t in self._tracked.values()):
+            await asyncio.sleep(DRAIN_POLL_S)
+        worker.removed = True
+        worker.draining = False
+        for indices in (self._prefill, self._decode):
+            if index in indices:
+                indices.remove(index)
+        worker.socket.close(linger=0)
+        self._pull.disconnect(worker.endpoint.output_addr)
+        self.metrics.forget_worker(worker.pool, worker_id)
+        self._count_workers()
+
+    def _find(self, worker_id: str) -> tuple[int, _Worker]:
+        for i, w in enumerate(self._workers):
+            if w.endpoint.worker_id == worker_id and not w.removed:
+                return i, w
+        raise KeyError(worker_id)
+
+    @staticmethod
+    def _waits_on(tracked: _Tracked, index: int) -> bool:
+        return tracked.worker == index or (tracked.prefill == index and not tracked.first_token)
+
+    def _count_workers(self) -> None:
+        now = time.monotonic()
+        counts: dict[str, dict[str, int]] = {}
+        for w in self._live():
+            states = counts.setdefault(w.pool, {})
+            state = w.state(now, self.heartbeat_timeout_s)
+            states[state] = states.get(state, 0) + 1
+        self.metrics.set_num_workers(counts)
 
     @property
     def num_admitted(self) -> int:
@@ -176,20 +260,23 @@ class WorkerClient:
     ) -> None:
         now = time.monotonic()
         timeout = self.heartbeat_timeout_s
+        decodes = [i for i in self._decode if self._workers[i].routable]
+        prefills = [i for i in self._prefill if self._workers[i].routable]
         plan = self.router.plan(
             RequestInfo(request_id, prompt_ids),
-            [self._workers[i].candidate(now, timeout) for i in self._decode],
-            [self._workers[i].candidate(now, timeout) for i in self._prefill],
+            [self._workers[i].candidate(now, timeout) for i in decodes],
+            [self._workers[i].candidate(now, timeout) for i in prefills],
         )
-        decode = self._decode[plan.decode]
+        decode = decodes[plan.decode]
         tracked = _Tracked(group, index, decode, now)
         self._tracked[request_id] = tracked
         self._workers[decode].inflight += 1
         self._workers[decode].blocks_since_stats += -(-len(prompt_ids) // self.block_size)
         if plan.prefill is None:
             self._send(decode, msg.GenerateRequest(request_id, prompt_ids, params))
+            self._prompt_sent(tracked)
             return
-        tracked.prefill = self._prefill[plan.prefill]
+        tracked.prefill = prefills[plan.prefill]
         d = self._workers[decode].endpoint
         prefill_id = self._workers[tracked.prefill].endpoint.worker_id
         tracked.pending_prefill = msg.Prefill(
@@ -204,6 +291,7 @@ class WorkerClient:
             tracked = self._untrack(request_id)
             if tracked is None:
                 continue
+            self._log_failure(request_id, tracked, "abort")
             by_worker.setdefault(tracked.worker, []).append(request_id)
             if tracked.prefill is not None and tracked.pending_prefill is None:
                 by_worker.setdefault(tracked.prefill, []).append(request_id)
@@ -222,7 +310,14 @@ class WorkerClient:
         return tracked
 
     def _count_admitted(self) -> None:
-        self.metrics.num_requests_admitted.labels(self.metrics.model_name).set(len(self._tracked))
+        admitted = self.metrics.num_requests_admitted.labels(*self.metrics.labels(API_POOL, "api"))
+        admitted.set(len(self._tracked))
+
+    def _prompt_sent(self, tracked: _Tracked) -> None:
+        tracked.sent = time.monotonic()
+        w = self._workers[tracked.prompt_worker]
+        key = self.metrics.labels(w.pool, w.endpoint.worker_id)
+        self.metrics.request_queue_time.labels(*key).observe(tracked.sent - tracked.start)
 
     async def _read_loop(self) -> None:
         last_sweep = time.monotonic()
@@ -250,16 +345,18 @@ class WorkerClient:
             return
         self._send(tracked.prefill, tracked.pending_prefill)
         tracked.pending_prefill = None
+        self._prompt_sent(tracked)
 
     def _on_stats(self, stats: msg.WorkerStats) -> None:
-        worker = next(w for w in self._workers if w.endpoint.worker_id == stats.worker_id)
+        try:
+            _, worker = self._find(stats.worker_id)
+        except KeyError:
+            return
+        self.metrics.observe_stats(worker.pool, stats, worker.last_stats)
         worker.last_stats = stats
         worker.last_seen = time.monotonic()
         worker.blocks_since_stats = 0
-        self.metrics.observe_transfers(stats, stats.kv_transfer_bytes - worker.transfer_bytes)
-        worker.transfer_bytes = stats.kv_transfer_bytes
-        self.metrics.set_worker_stats(w.last_stats for w in self._workers if w.last_stats)
-        self.metrics.num_workers_ready.labels(self.metrics.model_name).set(self.num_ready)
+        self._count_workers()
 
     def _fail_lost_requests(self) -> None:
         """Requests waiting on a worker whose heartbeat stopped get an error."""
@@ -277,30 +374,93 @@ class WorkerClient:
             if stopped:
                 name = self._workers[stopped.pop()].endpoint.worker_id
                 error = f"worker {name} stopped responding"
-                self._on_error(msg.RequestError(request_id, error, 503))
-        self.metrics.num_workers_ready.labels(self.metrics.model_name).set(self.num_ready)
+                self._on_error(msg.RequestError(request_id, error, 503), "worker_lost")
+        self._count_workers()
 
     def _on_delta(self, delta: msg.TokenDelta) -> None:
         tracked = self._tracked.get(delta.request_id)
         if tracked is None:
             return
-        m, name = self.metrics, self.metrics.model_name
-        now = time.monotonic()
-        if not tracked.first_token and delta.token_ids:
-            tracked.first_token = True
-            m.time_to_first_token.labels(name).observe(now - tracked.start)
-        m.generation_tokens.labels(name).inc(len(delta.token_ids))
+        self._observe_tokens(tracked, len(delta.token_ids))
         if delta.finish_reason is not None:
             self._untrack(delta.request_id)
-            m.prompt_tokens.labels(name).inc(delta.num_prompt_tokens)
-            m.prefix_cache_hits.labels(name).inc(delta.num_cached_tokens)
-            m.request_success.labels(name, delta.finish_reason).inc()
-            m.e2e_request_latency.labels(name).observe(now - tracked.start)
+            self._observe_finish(delta, tracked)
         tracked.group.queue.put_nowait((tracked.index, delta))
 
-    def _on_error(self, error: msg.RequestError) -> None:
+    def _observe_tokens(self, tracked: _Tracked, count: int) -> None:
+        if not count:
+            return
+        m, now = self.metrics, time.monotonic()
+        decode = self._workers[tracked.worker]
+        key = m.labels(decode.pool, decode.endpoint.worker_id)
+        m.generation_tokens.labels(*key).inc(count)
+        if tracked.first_token:
+            gap = (now - tracked.last_token_at) / count
+            for _ in range(count):
+                m.inter_token_latency.labels(*key).observe(gap)
+        else:
+            tracked.first_token = True
+            tracked.first_token_at = now
+            prompt = self._workers[tracked.prompt_worker]
+            prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
+            m.time_to_first_token.labels(*prompt_key).observe(now - tracked.start)
+            m.request_prefill_time.labels(*prompt_key).observe(now - tracked.sent)
+        tracked.num_tokens += count
+        tracked.last_token_at = now
+
+    def _observe_finish(self, delta: msg.TokenDelta, tracked: _Tracked) -> None:
+        m, now = self.metrics, time.monotonic()
+        decode = self._workers[tracked.worker]
+        key = m.labels(decode.pool, decode.endpoint.worker_id)
+        prompt = self._workers[tracked.prompt_worker]
+        prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
+        m.prompt_tokens.labels(*prompt_key).inc(delta.num_prompt_tokens)
+        m.request_success.labels(*key, delta.finish_reason).inc()
+        m.e2e_request_latency.labels(*key).observe(now - tracked.start)
+        decode_time = now - tracked.first_token_at if tracked.first_token else 0.0
+        m.request_decode_time.labels(*key).observe(decode_time)
+        if tracked.num_tokens > 1:
+            per_token = decode_time / (tracked.num_tokens - 1)
+            m.request_time_per_output_token.labels(*key).observe(per_token)
+        self._log(delta.request_id, tracked, "ok", delta.finish_reason, delta.num_prompt_tokens)
+
+    def _log_failure(self, request_id: str, tracked: _Tracked, reason: str) -> None:
+        decode = self._workers[tracked.worker]
+        key = self.metrics.labels(decode.pool, decode.endpoint.worker_id)
+        self.metrics.request_failure.labels(*key, reason).inc()
+        self._log(request_id, tracked, "error", reason, None)
+
+    def _log(
+        self,
+        request_id: str,
+        tracked: _Tracked,
+        status: str,
+        reason: str | None,
+        prompt_tokens: int | None,
+    ) -> None:
+        """One JSON line per finished engine request on the `splitserve.requests` logger."""
+        now = time.monotonic()
+        prefill = None if tracked.prefill is None else self._workers[tracked.prefill]
+        line = {
+            "request_id": request_id,
+            "prefill_worker": prefill.endpoint.worker_id if prefill else None,
+            "decode_worker": self._workers[tracked.worker].endpoint.worker_id,
+            "ttft_s": round(tracked.first_token_at - tracked.start, 6)
+            if tracked.first_token
+            else None,
+            "e2e_s": round(now - tracked.start, 6),
+            "prompt_tokens": prompt_tokens,
+            "generation_tokens": tracked.num_tokens,
+            "status": status,
+            "finish_reason": reason,
+        }
+        request_log.info(json.dumps(line))
+
+    def _on_error(self, error: msg.RequestError, reason: str = "") -> None:
         tracked = self._untrack(error.request_id)
         if tracked is not None:
+            failure = reason or ("invalid_request" if error.status == 400 else "request_failed")
+            self._log_failure(error.request_id, tracked, failure)
             if tracked.prefill is not None:
                 self.abort_elsewhere(tracked, error.request_id)
             tracked.group.queue.put_nowait((tracked.index, error))

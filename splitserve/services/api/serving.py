@@ -22,7 +22,7 @@ from splitserve.services.api.client import (
 from splitserve.services.api.errors import APIError, error_body
 from splitserve.services.api.protocol import SamplingFields
 from splitserve.services.messages import TokenDelta, TokenLogprob
-from splitserve.services.metrics import Metrics
+from splitserve.services.metrics import API_POOL, Metrics
 
 DISCONNECT_POLL_S = 0.25
 RETRY_AFTER_S = 1
@@ -115,7 +115,8 @@ def submit(
     try:
         return state.client.submit(requests)
     except QueueFullError as exc:
-        state.metrics.requests_rejected.labels(state.model_name, "queue_full").inc()
+        api = state.metrics.labels(API_POOL, "api")
+        state.metrics.request_failure.labels(*api, "queue_full").inc()
         raise APIError(
             503,
             str(exc),
