@@ -3,14 +3,23 @@
 A block whose ref count drops to zero keeps its contents and its hash: it sits in the free
 queue (least recently freed first) and can be claimed again by a request with the same prefix
 until a new allocation evicts it.
+
+Hooks (set by engine/prefix_cache.py when a block store is attached): ``on_commit`` sees each
+block that got a hash, ``on_evict`` each hashed block about to be reused, and ``loader`` may
+extend a request's device-cached prefix with blocks it fills from elsewhere.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from splitserve.engine.request import Request
 from splitserve.kvstore.hashing import ROOT_HASH, hash_block
+
+PrefixLoader = Callable[[Sequence[int]], list[tuple[int, str]]]
+"""Block hashes (a prompt's next uncached ones) -> (filled block id, tier it came from) for
+the leading ones it could load; each block is claimed (ref count 1) and registered."""
 
 
 class Block:
@@ -31,6 +40,11 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
         self._hashes: dict[str, list[int]] = {}
+        self.on_commit: Callable[[int, int, Request], None] | None = None
+        self.on_evict: Callable[[int], None] | None = None
+        self.loader: PrefixLoader | None = None
+        self.last_hit_tokens: dict[str, int] = {}
+        """Tier -> tokens of the prefix that the last ``allocate_prefix`` claimed."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,6 +58,7 @@ class BlockManager:
 
         At least one token is always left to compute, so the last position's logits exist.
         """
+        self.last_hit_tokens = {}
         if not self.enable_prefix_caching:
             return 0
         hashes = self._block_hashes(req)
@@ -54,7 +69,29 @@ class BlockManager:
                 break
             self._take(block_id)
             req.block_table.append(block_id)
+        if req.block_table:
+            self.last_hit_tokens["device"] = len(req.block_table) * self.block_size
+        if self.loader is not None and len(req.block_table) < usable:
+            for block_id, tier in self.loader(hashes[len(req.block_table) : usable]):
+                req.block_table.append(block_id)
+                hits = self.last_hit_tokens.get(tier, 0)
+                self.last_hit_tokens[tier] = hits + self.block_size
         return len(req.block_table) * self.block_size
+
+    def claim_free(self) -> int | None:
+        """Take the least recently freed block for new contents (ref count 1), or None."""
+        if not self.free_queue:
+            return None
+        block_id, _ = self.free_queue.popitem(last=False)
+        self._evict(block_id)
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Publish a block whose contents were loaded from elsewhere under its hash."""
+        if block_hash not in self.cached:
+            self.blocks[block_id].block_hash = block_hash
+            self.cached[block_hash] = block_id
 
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Make req's block table cover its computed tokens plus num_new_tokens."""
@@ -63,9 +100,8 @@ class BlockManager:
         if missing > len(self.free_queue):
             return False
         for _ in range(missing):
-            block_id, _ = self.free_queue.popitem(last=False)
-            self._evict(block_id)
-            self.blocks[block_id].ref_count = 1
+            block_id = self.claim_free()
+            assert block_id is not None
             req.block_table.append(block_id)
         return True
 
@@ -82,6 +118,8 @@ class BlockManager:
             if block.block_hash is None and hashes[index] not in self.cached:
                 block.block_hash = hashes[index]
                 self.cached[hashes[index]] = block.block_id
+                if self.on_commit is not None:
+                    self.on_commit(hashes[index], block.block_id, req)
         req.num_committed_blocks = full
 
     def free(self, req: Request) -> None:
@@ -119,4 +157,6 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None

@@ -19,6 +19,7 @@ from splitserve.engine.loader import (
     resolve_model,
 )
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -35,10 +36,24 @@ class EngineStats:
     prompt_tokens_cached: int
     generation_tokens: int
     num_preemptions: int
+    prompt_tokens_queried: int = 0
+    """Prompt tokens of admitted requests that looked up the prefix cache."""
+    cached_tokens_by_tier: dict[str, int] | None = None
+    """Tier (device, host, disk) -> prompt tokens served from it."""
+    queued_prompt_tokens: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+    """block_store / cache_events: optional links of the device prefix cache to a slower
+    block store and to an index of cached blocks (engine/prefix_cache.py)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any = None,
+        block_store: BlockCache | None = None,
+        cache_events: CacheEvents | None = None,
+    ) -> None:
         self.config = config
         self.model_name = config.model
         path = resolve_model(config.model)
@@ -54,6 +69,11 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
+        self.prefix_cache = (
+            PrefixCache(self.block_manager, self.runner, block_store, cache_events)
+            if config.enable_prefix_caching and (block_store or cache_events)
+            else None
+        )
         self.sampler = Sampler(config.seed)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
@@ -67,14 +87,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         prefill_only: bool = False,
+        traffic_class: str | None = None,
     ) -> None:
         """Queue a request; ValueError if it can never be served.
 
         prefill_only: compute the prompt and sample the first token, then hand the KV over
-        (``pop_prefilled``) instead of decoding here.
+        (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
+        which its blocks are kept in the block store (None: the store's default).
         """
         req = self._new_request(request_id, prompt, params)
         req.prefill_only = prefill_only
+        req.traffic_class = traffic_class
         self._register(req)
         self.scheduler.add(req)
 
@@ -131,6 +154,8 @@ class LLMEngine:
         logits, sampled = self.runner.run(batch)
         results = self.sampler(logits, [batch.requests[i] for i in sampled])
         self._advance(batch)
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
         outputs = []
         for i, result in zip(sampled, results):
             req = batch.requests[i]
@@ -196,6 +221,9 @@ class LLMEngine:
             prompt_tokens_cached=self.scheduler.prompt_tokens_cached,
             generation_tokens=self.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_queried=self.scheduler.prompt_tokens_queried,
+            cached_tokens_by_tier=dict(self.scheduler.cached_tokens_by_tier),
+            queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
         )
 
 

@@ -130,6 +130,7 @@ class Request:
         self.num_cached_tokens = 0
         self.admitted = False
         self.prefill_only = False
+        self.traffic_class: str | None = None
         self.block_table: list[int] = []
         self.num_committed_blocks = 0
         self.arrival_time = time.monotonic()

@@ -41,6 +41,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prompt_tokens_cached = 0
+        self.prompt_tokens_queried = 0
+        self.cached_tokens_by_tier: dict[str, int] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -86,10 +88,26 @@ class Scheduler:
                 req.admitted = True
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prompt_tokens_cached += req.num_computed_tokens
+                self._count_hits(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.add(req, num_new)
             budget -= num_new
+
+    def _count_hits(self, req: Request) -> None:
+        if not self.block_manager.enable_prefix_caching:
+            return
+        self.prompt_tokens_queried += req.num_prompt_tokens
+        for tier, tokens in self.block_manager.last_hit_tokens.items():
+            self.cached_tokens_by_tier[tier] = self.cached_tokens_by_tier.get(tier, 0) + tokens
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens admitted here whose KV is not computed yet."""
+        return sum(
+            max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+            for queue in (self.waiting, self.running)
+            for r in queue
+        )
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

@@ -1,0 +1,100 @@
+"""The device prefix cache's link to a slower block store and to whoever tracks its contents.
+
+The engine stays free of Redis, sockets and files: a worker hands it a ``BlockCache`` (the
+node's ``kvstore.store.BlockStore``) and a ``CacheEvents`` sink (a ``kvstore.publish``
+``PublishBuffer``). Then:
+
+- every block that gets a hash is copied into the store after the step that computed it
+  (write-through, with its request's traffic class), so a block later evicted from the device
+  cache is already in the host tier;
+- every device store and eviction is reported as a ``device`` tier event;
+- a waiting request whose device-cached prefix ends early continues it with blocks the store
+  has: each is loaded into a free device block and registered under its hash. A store miss
+  (absent, expired, corrupt) ends the prefix there; the rest is computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request
+
+
+class BlockCache(Protocol):
+    """Blocks ``[2, layers, block_size, kv_heads, head_dim]`` by hash (BlockStore fits)."""
+
+    def put(self, block_hash: int, kv: torch.Tensor, traffic_class: str | None = None) -> None: ...
+
+    def load_prefix(self, block_hashes: Sequence[int]) -> list[tuple[torch.Tensor, str]]: ...
+
+
+class CacheEvents(Protocol):
+    """Told which blocks enter and leave a tier (PublishBuffer fits)."""
+
+    def stored(self, tier: str, block_hashes: Sequence[int]) -> None: ...
+
+    def evicted(self, tier: str, block_hashes: Sequence[int]) -> None: ...
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        runner: ModelRunner,
+        store: BlockCache | None,
+        events: CacheEvents | None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.runner = runner
+        self.store = store
+        self.events = events
+        self._pending: list[tuple[int, int, str | None]] = []
+        block_manager.on_commit = self._committed
+        block_manager.on_evict = self._evicted
+        if store is not None:
+            block_manager.loader = self._load
+
+    def flush(self) -> None:
+        """Copy the blocks committed since the last flush into the store (after a step)."""
+        if not self._pending or self.store is None:
+            self._pending = []
+            return
+        pending, self._pending = self._pending, []
+        kv = self.runner.gather_blocks([block_id for _, block_id, _ in pending])
+        for i, (block_hash, _, traffic_class) in enumerate(pending):
+            self.store.put(block_hash, kv[:, :, i], traffic_class)
+
+    def _committed(self, block_hash: int, block_id: int, req: Request) -> None:
+        if self.store is not None:
+            self._pending.append((block_hash, block_id, req.traffic_class))
+        if self.events is not None:
+            self.events.stored("device", [block_hash])
+
+    def _evicted(self, block_hash: int) -> None:
+        self._pending = [p for p in self._pending if p[0] != block_hash]
+        if self.events is not None:
+            self.events.evicted("device", [block_hash])
+
+    def _load(self, block_hashes: Sequence[int]) -> list[tuple[int, str]]:
+        assert self.store is not None
+        limit = min(len(block_hashes), self.block_manager.num_free_blocks)
+        found = self.store.load_prefix(block_hashes[:limit]) if limit else []
+        claimed: list[tuple[int, str]] = []
+        for _, tier in found:
+            block_id = self.block_manager.claim_free()
+            assert block_id is not None
+            claimed.append((block_id, tier))
+        if not claimed:
+            return []
+        kv = torch.stack([tensor for tensor, _ in found], dim=2)
+        self.runner.scatter_blocks([block_id for block_id, _ in claimed], kv)
+        for block_hash, (block_id, _) in zip(block_hashes, claimed):
+            self.block_manager.register(block_id, block_hash)
+        if self.events is not None:
+            self.events.stored("device", list(block_hashes[: len(claimed)]))
+        return claimed

@@ -1,0 +1,81 @@
+"""The engine with a block store: write-through, prefix loads from host and disk, misses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm import LLM
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.request import SamplingParams
+from splitserve.kvstore.store import BlockStore, BlockStoreConfig
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPT = "You are a careful assistant who answers in one sentence. " * 8 + "What is tea?"
+
+
+class Events:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, int]] = []
+
+    def stored(self, tier: str, block_hashes: Any) -> None:
+        self.log += [("stored", tier, h) for h in block_hashes]
+
+    def evicted(self, tier: str, block_hashes: Any) -> None:
+        self.log += [("evicted", tier, h) for h in block_hashes]
+
+
+def _llm(tokenizer: Any, store: BlockStore | None, events: Events | None = None) -> LLM:
+    config = EngineConfig(max_model_len=2048, kv_cache_bytes=64 << 20)
+    return LLM.from_engine(LLMEngine(config, tokenizer, store, events))
+
+
+def _run(llm: LLM, prompt: str = PROMPT) -> list[int]:
+    return list(llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_second_engine_loads_prefix_from_host_tier_with_identical_output(
+    smollm2_tokenizer: Any, smollm2_llm: LLM
+) -> None:
+    store = BlockStore(BlockStoreConfig(host_bytes=256 << 20))
+    events = Events()
+    first = _llm(smollm2_tokenizer, store, events)
+    expected = _run(smollm2_llm)
+    assert _run(first) == expected
+    num_prompt = len(smollm2_tokenizer.encode(PROMPT))
+    assert len(store.host) == (num_prompt + GREEDY.max_tokens - 1) // 16  # KV-complete blocks
+    assert [e for e in events.log if e[1] == "device"][:1][0][0] == "stored"
+
+    second = _llm(smollm2_tokenizer, store)
+    assert _run(second) == expected
+    stats = second.engine.stats()
+    usable = (num_prompt - 1) // 16 * 16
+    assert stats.cached_tokens_by_tier == {"host": usable}
+    assert stats.prompt_tokens_computed == num_prompt - usable
+    assert stats.prompt_tokens_queried == num_prompt
+
+
+def test_corrupt_disk_block_is_a_miss_and_recomputed(
+    smollm2_tokenizer: Any, smollm2_llm: LLM, tmp_path: Path
+) -> None:
+    config = BlockStoreConfig(host_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 30)
+    expected = _run(smollm2_llm)
+    assert _run(_llm(smollm2_tokenizer, BlockStore(config))) == expected
+    files = list(tmp_path.glob("*/*.kv"))
+    num_prompt = len(smollm2_tokenizer.encode(PROMPT))
+    assert len(files) == (num_prompt + GREEDY.max_tokens - 1) // 16
+    store = BlockStore(config)
+    third_block = store.disk.keys()[2] if store.disk is not None else 0
+    path = tmp_path / f"{third_block:016x}"[:2] / f"{third_block:016x}.kv"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    llm = _llm(smollm2_tokenizer, store)
+    assert _run(llm) == expected
+    stats = llm.engine.stats()
+    assert stats.cached_tokens_by_tier == {"disk": 2 * 16}
+    assert stats.prompt_tokens_computed == num_prompt - 2 * 16
