@@ -22,6 +22,8 @@ from splitserve.engine.config import EngineConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 ROLES = ("both", "prefill", "decode")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
+ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
+DAY_S = 24 * 3600.0
 
 
 class ConfigError(ValueError):
@@ -125,6 +127,67 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class PrefixIndexConfig:
+    """Where the prefix index lives: ``memory://`` (the API server's memory; workers send it
+    their events) or ``redis://[:password@]host:port/db`` / ``rediss://`` (TLS)."""
+
+    url: str = "memory://"
+    ttl_s: float = 7 * DAY_S
+    publish_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
+        _require(
+            scheme in ("memory", "redis", "rediss", "unix"),
+            f"prefix_index.url {self.url!r}: expected memory://, redis:// or rediss://",
+        )
+        _require(self.ttl_s > 0, "prefix_index.ttl_s must be positive")
+        _require(self.publish_interval_s > 0, "prefix_index.publish_interval_s must be positive")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """Each prefill (or colocated) worker's block store: a host tier of its own and, with
+    disk_path, a disk tier in that directory, shared by the workers of a node.
+
+    retention: traffic class -> TTL seconds; a request's class is its x-traffic-class header
+    or default_class."""
+
+    host_bytes: int = 256 << 20
+    disk_path: str | None = None
+    disk_bytes: int = 4 << 30
+    retention: Mapping[str, float] = field(
+        default_factory=lambda: {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
+    )
+    default_class: str = "chat"
+
+    def __post_init__(self) -> None:
+        _require(self.host_bytes >= 0, "kv_store.host_bytes must be >= 0")
+        _require(self.disk_bytes >= 0, "kv_store.disk_bytes must be >= 0")
+        _require(
+            all(t > 0 for t in self.retention.values()), "kv_store.retention: TTLs must be > 0"
+        )
+        _require(
+            self.default_class in self.retention,
+            f"kv_store.default_class {self.default_class!r} has no kv_store.retention entry",
+        )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """policy: cache_aware (prefill by uncached tokens and queue; decode by free KV),
+    least_loaded or round_robin."""
+
+    policy: str = "cache_aware"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.policy in ROUTER_POLICIES,
+            f"router.policy {self.policy!r} is not one of {ROUTER_POLICIES}",
+        )
+
+
+@dataclass(frozen=True)
 class RayConfig:
     """address=None starts a private local Ray; otherwise join that cluster ("auto" works)."""
 
@@ -139,6 +202,9 @@ class DeployConfig:
     pools: Mapping[str, PoolConfig] = field(default_factory=lambda: {"worker": PoolConfig()})
     ray: RayConfig = field(default_factory=RayConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must not be empty")

@@ -5,6 +5,10 @@ leaves either the old state or the new file, never half a block under its final 
 read verifies the checksum (kvstore/block_codec.py); a corrupt or truncated file is deleted and
 reported as a miss, so the block is recomputed instead of serving wrong KV. Recency survives a
 restart through the files' modification times, which each hit refreshes.
+
+Several processes may share one directory (the workers of a node): each keeps its own LRU of
+the files it wrote or adopted (``adopt`` takes in a file another one wrote), so the byte
+budget holds per process, not for the directory as a whole.
 """
 
 from __future__ import annotations
@@ -86,6 +90,29 @@ class DiskTier:
             return None
         self._entries.move_to_end(block_hash)
         return tensor
+
+    def adopt(self, block_hash: int) -> bool:
+        """Take in a block file that another process sharing the directory wrote; False if
+        there is none (or it is unusable, then it is deleted)."""
+        if block_hash in self._entries:
+            return True
+        path = self.path_of(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return False
+        try:
+            header = block_codec.decode_header(data)
+        except CorruptBlock as exc:
+            log.warning("block store: dropping unreadable block file %s: %s", path, exc)
+            path.unlink(missing_ok=True)
+            return False
+        if header.block_hash != block_hash:
+            path.unlink(missing_ok=True)
+            return False
+        self._entries[block_hash] = (len(data), header.expiry)
+        self.used_bytes += len(data)
+        return True
 
     def pop(self, block_hash: int) -> bool:
         """Delete the block's file; False if it was not there."""

@@ -159,7 +159,7 @@ class BlockStore:
     def _get_disk(
         self, block_hash: int, now: float, expiry: float | None
     ) -> tuple[torch.Tensor, str] | None:
-        if self.disk is None or block_hash not in self.disk:
+        if self.disk is None or not self.disk.adopt(block_hash):
             return None
         disk_expiry = self.disk.expiry(block_hash) or 0.0
         tensor = self.disk.get(block_hash) if disk_expiry > now else None

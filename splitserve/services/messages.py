@@ -26,6 +26,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    traffic_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Prefill:
     params: SamplingParams
     decode_worker: str
     decode_kv_addr: str
+    traffic_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,28 @@ class WorkerStats:
     prompt_tokens_cached: int
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: list[float] = dataclasses.field(default_factory=list)
+    cached_host_tokens: int = 0
+    """Of prompt_tokens_cached, the tokens loaded from the host tier (the rest: disk, device)."""
+    cached_disk_tokens: int = 0
+    queued_tokens: int = 0
+    """Prompt tokens admitted whose KV is not computed yet."""
+    prefill_tokens_per_s: float = 0.0
+    """Recent prompt throughput (0 until measured)."""
+    node_id: str = ""
+    """Holder id of the node's shared block store tier ("" without one)."""
+
+
+@dataclass(frozen=True)
+class IndexUpdate:
+    """Worker -> API server, for an index in the API server's memory (prefix_index memory://):
+    ``holder`` now has ``stored`` and no longer ``evicted`` in ``tier``; with ``rebuild``,
+    ``stored`` replaces everything the holder had there."""
+
+    holder: str
+    tier: str
+    stored: list[int]
+    evicted: list[int]
+    rebuild: bool = False
 
 
 Message = (
@@ -154,6 +178,7 @@ Message = (
     | AbortRequest
     | OutputBatch
     | WorkerStats
+    | IndexUpdate
 )
 _TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -166,6 +191,7 @@ _TYPES: dict[str, type] = {
         AbortRequest,
         OutputBatch,
         WorkerStats,
+        IndexUpdate,
     )
 }
 

@@ -55,6 +55,7 @@ class PrefillWorker(EngineWorker):
                     message.prompt_token_ids,
                     message.params,
                     prefill_only=True,
+                    traffic_class=message.traffic_class,
                 )
             except ValueError as exc:
                 self._errors.append(msg.RequestError(message.request_id, str(exc)))
@@ -66,8 +67,7 @@ class PrefillWorker(EngineWorker):
             self._abort(message.request_ids)
 
     def _tick(self) -> None:
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        for output in outputs:
+        for output in self._step():
             if output.finished and output.outputs[0].finish_reason == "prefilled":
                 prefilled = self.engine.handoff.pop_prefilled(output.request_id)
                 route = self._routes.pop(output.request_id, None)

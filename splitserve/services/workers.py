@@ -21,6 +21,7 @@ import zmq
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import Logprob, RequestOutput
 from splitserve.services import messages as msg
+from splitserve.services.worker_cache import WorkerCache
 
 STATS_INTERVAL_S = 0.2
 IDLE_POLL_MS = 50
@@ -64,6 +65,7 @@ class EngineWorker:
         threads: int,
         transfer: dict[str, Any] | None = None,
         store: list[Any] | None = None,
+        kv: dict[str, Any] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.config = EngineConfig(**engine_config)
@@ -71,6 +73,9 @@ class EngineWorker:
         self.threads = threads
         self.transfer = transfer or {}
         self.store = store
+        self.kv = kv
+        self.cache: WorkerCache | None = None
+        self._prefill_rate = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sent: dict[str, tuple[int, int]] = {}
@@ -88,7 +93,15 @@ class EngineWorker:
 
         if self.threads > 0:
             torch.set_num_threads(self.threads)
-        self.engine = LLMEngine(self.config)
+        if self.kv is not None and self.role != "decode":
+            self.cache = WorkerCache(
+                self.worker_id, self.kv, lambda: list(self.engine.block_manager.cached)
+            )
+            self.engine = LLMEngine(
+                self.config, block_store=self.cache.store, cache_events=self.cache.events
+            )
+        else:
+            self.engine = LLMEngine(self.config)
         self._ctx = zmq.Context()
         self._requests = self._ctx.socket(zmq.PULL)
         self._outputs = self._ctx.socket(zmq.PUSH)
@@ -118,6 +131,8 @@ class EngineWorker:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._ctx.destroy(linger=0)
+        if self.cache is not None:
+            self.cache.close()
 
     def _setup(self) -> None:
         """Role-specific sockets and threads, created before the loop starts."""
@@ -126,6 +141,9 @@ class EngineWorker:
         while not self._stop.is_set():
             self._drain(self._poll_ms())
             self._tick()
+            if self.cache is not None:
+                for update in self.cache.tick():
+                    self._send(update)
             self._maybe_send_stats()
 
     def _poll_ms(self) -> int:
@@ -144,7 +162,10 @@ class EngineWorker:
         if isinstance(message, msg.GenerateRequest):
             try:
                 self.engine.add_request(
-                    message.request_id, message.prompt_token_ids, message.params
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    traffic_class=message.traffic_class,
                 )
             except ValueError as exc:
                 self._errors.append(msg.RequestError(message.request_id, str(exc)))
@@ -161,8 +182,20 @@ class EngineWorker:
 
     def _tick(self) -> None:
         """One round of work: an engine step, then the outputs and errors it produced."""
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        self._send_outputs(outputs)
+        self._send_outputs(self._step())
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (if there is work), measuring the prompt throughput."""
+        if not self.engine.has_unfinished_requests():
+            return []
+        computed, start = self.engine.prompt_tokens_computed, time.monotonic()
+        outputs = self.engine.step()
+        tokens = self.engine.prompt_tokens_computed - computed
+        if tokens:
+            rate = tokens / max(time.monotonic() - start, 1e-6)
+            old = self._prefill_rate
+            self._prefill_rate = rate if not old else 0.7 * old + 0.3 * rate
+        return outputs
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         while not self._async_errors.empty():
@@ -220,6 +253,11 @@ class EngineWorker:
             prompt_tokens_cached=s.prompt_tokens_cached,
             kv_transfer_bytes=self._transfer_bytes(),
             kv_transfer_seconds=seconds,
+            cached_host_tokens=(s.cached_tokens_by_tier or {}).get("host", 0),
+            cached_disk_tokens=(s.cached_tokens_by_tier or {}).get("disk", 0),
+            queued_tokens=s.queued_prompt_tokens,
+            prefill_tokens_per_s=self._prefill_rate,
+            node_id=self.cache.node_id if self.cache is not None else "",
         )
         self._send(stats)
 
