@@ -1,0 +1,56 @@
+"""Metrics: worker stats become per-worker series; counters grow by the change since the last."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.services.messages import WorkerStats
+from splitserve.services.metrics import Metrics
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+
+def labels(**extra: str) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        sorted({"model_name": "m", "pool": "prefill", "worker": "prefill-0", **extra}.items())
+    )
+
+
+def stats(computed: int, cached: int, sent: int) -> WorkerStats:
+    return WorkerStats("prefill-0", 2, 1, 30, 40, 0.25, computed, cached, sent, [0.004])
+
+
+def test_worker_stats_set_gauges_and_counters_grow_by_the_difference() -> None:
+    metrics = Metrics("m")
+    first = stats(computed=100, cached=0, sent=1000)
+    metrics.observe_stats("prefill", first, None)
+    metrics.observe_stats("prefill", stats(computed=140, cached=32, sent=1600), first)
+    got = samples(metrics)
+    assert got[("splitserve:num_requests_running", labels())] == 2
+    assert got[("splitserve:num_requests_waiting", labels())] == 1
+    assert got[("splitserve:kv_cache_usage_perc", labels())] == 0.25
+    assert got[("splitserve:kv_transfer_bytes_total", labels())] == 1600
+    assert got[("splitserve:kv_transfer_seconds_count", labels())] == 2
+    assert got[("splitserve:prefix_cache_queries_total", labels(tier="device"))] == 172
+    assert got[("splitserve:prefix_cache_hits_total", labels(tier="device"))] == 32
+
+
+def test_a_forgotten_worker_has_no_gauges_and_num_workers_counts_every_state() -> None:
+    metrics = Metrics("m")
+    metrics.observe_stats("prefill", stats(0, 0, 0), None)
+    metrics.forget_worker("prefill", "prefill-0")
+    metrics.set_num_workers({"prefill": {"ready": 1, "draining": 1}})
+    got = samples(metrics)
+    assert ("splitserve:num_requests_running", labels()) not in got
+    workers = {
+        dict(key)["state"]: value
+        for (name, key), value in got.items()
+        if name == "splitserve:num_workers"
+    }
+    assert workers == {"starting": 0, "ready": 1, "unhealthy": 0, "draining": 1}
