@@ -214,6 +214,10 @@ class Deployment:
                 pool.num_threads or os.cpu_count() or 1,
                 dataclasses.asdict(self.config.transfer),
                 self._store_addr,
+                {
+                    "prefix_index": dataclasses.asdict(self.config.prefix_index),
+                    "kv_store": dataclasses.asdict(self.config.kv_store),
+                },
             )
         )
         self.replicas[worker_id] = Replica(worker_id, name, actor, group)
@@ -274,6 +278,9 @@ def _load_tokenizer(model: str) -> Any:
 async def _serve(deployment: Deployment) -> None:
     import uvicorn
 
+    from splitserve.kvstore.index import make_index
+    from splitserve.router.prefix_lookup import PrefixLookup
+    from splitserve.router.router import Router
     from splitserve.services.api.app import build_app
     from splitserve.services.api.client import WorkerClient, WorkerEndpoint
     from splitserve.services.api.serving import ServerState
@@ -288,12 +295,16 @@ async def _serve(deployment: Deployment) -> None:
         for w in deployment.workers
     ]
     decode_pool = next(n for n, p in config.pools.items() if p.role != "prefill")
+    block_size = config.pools[decode_pool].engine.block_size
+    index = make_index(config.prefix_index.url, config.prefix_index.ttl_s)
     client = WorkerClient(
         endpoints,
         config.server.max_queue,
         metrics,
-        block_size=config.pools[decode_pool].engine.block_size,
+        router=Router(config.router.policy, config.router.policy),
+        block_size=block_size,
         heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+        prefix=PrefixLookup(index, block_size),
     )
     client.start()
     state = ServerState(config, deployment.tokenizer, client, metrics, deployment.max_model_len)

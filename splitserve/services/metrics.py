@@ -83,6 +83,12 @@ class Metrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache", ("tier",)
         )
+        self.router_decisions = Counter(
+            "splitserve:router_decisions",
+            "Routing decisions, by policy and stage (prefill, decode)",
+            ["model_name", "policy", "stage"],
+            registry=reg,
+        )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from admission to the first token"
         )
@@ -132,7 +138,11 @@ class Metrics:
         cached = max(stats.prompt_tokens_cached - before.prompt_tokens_cached, 0)
         computed = max(stats.prompt_tokens_computed - before.prompt_tokens_computed, 0)
         self.prefix_cache_queries.labels(*key, DEVICE_TIER).inc(cached + computed)
-        self.prefix_cache_hits.labels(*key, DEVICE_TIER).inc(cached)
+        host = max(stats.cached_host_tokens - before.cached_host_tokens, 0)
+        disk = max(stats.cached_disk_tokens - before.cached_disk_tokens, 0)
+        self.prefix_cache_hits.labels(*key, DEVICE_TIER).inc(max(cached - host - disk, 0))
+        self.prefix_cache_hits.labels(*key, "host").inc(host)
+        self.prefix_cache_hits.labels(*key, "disk").inc(disk)
 
     def forget_worker(self, pool: str, worker: str) -> None:
         """Drop a removed worker's gauges, so that they do not show its last values forever."""

@@ -36,7 +36,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     sv.check_n(state, body.n)
     prompt = await asyncio.to_thread(render_chat, state.tokenizer, body.messages)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs)
-    group = sv.submit(state, [prompt], [params], body.n)
+    group = sv.submit(state, [prompt], [params], body.n, sv.traffic_class(state, request))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         stream = _stream(state, body, group, response_id, len(prompt))

@@ -23,11 +23,14 @@ import zmq.asyncio
 
 from splitserve.engine.request import SamplingParams
 from splitserve.router.policy import Candidate, RequestInfo
+from splitserve.router.prefix_lookup import PrefixLookup
 from splitserve.router.router import Router
 from splitserve.services import messages as msg
 from splitserve.services.metrics import API_POOL, Metrics
 
 HEARTBEAT_TIMEOUT_S = 15.0
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+"""A prefill worker's assumed prompt throughput until its load reports measured one."""
 SWEEP_INTERVAL_S = 1.0
 DRAIN_POLL_S = 0.05
 request_log = logging.getLogger("splitserve.requests")
@@ -71,6 +74,8 @@ class _Tracked:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     num_tokens: int = 0
+    prefill_tokens: int = 0
+    """The router's estimate of the prompt tokens its prompt worker must compute."""
 
     @property
     def prompt_worker(self) -> int:
@@ -88,6 +93,8 @@ class _Worker:
     blocks_since_stats: int = 0
     draining: bool = False
     removed: bool = False
+    prefill_tokens: int = 0
+    """Estimated prompt tokens of the requests sent here whose first token has not come."""
 
     @property
     def pool(self) -> str:
@@ -116,6 +123,13 @@ class _Worker:
             num_running=stats.num_running if stats else 0,
             inflight=self.inflight,
             healthy=self.healthy(now, timeout_s),
+            queued_tokens=max(stats.queued_tokens if stats else 0, self.prefill_tokens),
+            prefill_tokens_per_s=(
+                stats.prefill_tokens_per_s
+                if stats and stats.prefill_tokens_per_s > 0
+                else DEFAULT_PREFILL_TOKENS_PER_S
+            ),
+            node_id=stats.node_id if stats else "",
         )
 
 
@@ -128,7 +142,10 @@ class WorkerClient:
         router: Router | None = None,
         block_size: int = 16,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        prefix: PrefixLookup | None = None,
     ):
+        """prefix: the prefix index lookup that cache-aware routing uses (None: load only)."""
+        self.prefix = prefix
         self.max_queue = max_queue
         self.metrics = metrics
         self.router = router or Router()
@@ -241,13 +258,19 @@ class WorkerClient:
     def num_admitted(self) -> int:
         return len(self._tracked)
 
-    def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
-        """Admit engine requests as one group (one API request); QueueFullError if over bound."""
+    def submit(
+        self,
+        requests: Sequence[tuple[str, list[int], SamplingParams]],
+        traffic_class: str | None = None,
+    ) -> RequestGroup:
+        """Admit engine requests as one group (one API request); QueueFullError if over bound.
+
+        traffic_class: the retention class of the blocks its prompts leave in block stores."""
         if len(self._tracked) + len(requests) > self.max_queue:
             raise QueueFullError(f"the server is at its admission bound of {self.max_queue}")
         group = RequestGroup(self, [request_id for request_id, _, _ in requests])
         for index, (request_id, prompt_ids, params) in enumerate(requests):
-            self._admit(group, index, request_id, prompt_ids, params)
+            self._admit(group, index, request_id, prompt_ids, params, traffic_class)
         return group
 
     def _admit(
@@ -257,32 +280,58 @@ class WorkerClient:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        traffic_class: str | None = None,
     ) -> None:
         now = time.monotonic()
         timeout = self.heartbeat_timeout_s
         decodes = [i for i in self._decode if self._workers[i].routable]
         prefills = [i for i in self._prefill if self._workers[i].routable]
+        info = RequestInfo(request_id, prompt_ids, self.block_size, self._cached(prompt_ids))
+        prefill_candidates = [self._workers[i].candidate(now, timeout) for i in prefills]
         plan = self.router.plan(
-            RequestInfo(request_id, prompt_ids),
+            info,
             [self._workers[i].candidate(now, timeout) for i in decodes],
-            [self._workers[i].candidate(now, timeout) for i in prefills],
+            prefill_candidates,
         )
+        self._count_decision(plan.prefill is not None)
         decode = decodes[plan.decode]
         tracked = _Tracked(group, index, decode, now)
         self._tracked[request_id] = tracked
         self._workers[decode].inflight += 1
         self._workers[decode].blocks_since_stats += -(-len(prompt_ids) // self.block_size)
         if plan.prefill is None:
-            self._send(decode, msg.GenerateRequest(request_id, prompt_ids, params))
+            self._send(decode, msg.GenerateRequest(request_id, prompt_ids, params, traffic_class))
             self._prompt_sent(tracked)
             return
         tracked.prefill = prefills[plan.prefill]
+        chosen = prefill_candidates[plan.prefill]
+        tracked.prefill_tokens = len(prompt_ids) - info.cached_tokens(chosen)
+        self._workers[tracked.prefill].prefill_tokens += tracked.prefill_tokens
         d = self._workers[decode].endpoint
         prefill_id = self._workers[tracked.prefill].endpoint.worker_id
         tracked.pending_prefill = msg.Prefill(
-            request_id, prompt_ids, params, d.worker_id, d.kv_addr
+            request_id, prompt_ids, params, d.worker_id, d.kv_addr, traffic_class
         )
         self._send(decode, msg.Reserve(request_id, prompt_ids, params, prefill_id))
+
+    def _cached(self, prompt_ids: list[int]) -> dict[str, int]:
+        if self.prefix is None or self.router.prefill_policy.name != "cache_aware":
+            return {}
+        return self.prefix.cached_blocks(prompt_ids)
+
+    def _count_decision(self, disaggregated: bool) -> None:
+        m = self.metrics
+        if disaggregated:
+            m.router_decisions.labels(
+                m.model_name, self.router.prefill_policy.name, "prefill"
+            ).inc()
+        m.router_decisions.labels(m.model_name, self.router.decode_policy.name, "decode").inc()
+
+    def _prompt_done(self, tracked: _Tracked) -> None:
+        """The prompt worker no longer has this request's prompt to compute."""
+        if tracked.prefill is not None:
+            self._workers[tracked.prefill].prefill_tokens -= tracked.prefill_tokens
+        tracked.prefill_tokens = 0
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests that have not finished; their workers free the KV blocks."""
@@ -305,6 +354,7 @@ class WorkerClient:
     def _untrack(self, request_id: str) -> _Tracked | None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
+            self._prompt_done(tracked)
             self._workers[tracked.worker].inflight -= 1
             self._count_admitted()
         return tracked
@@ -333,6 +383,9 @@ class WorkerClient:
             self._on_stats(message)
         elif isinstance(message, msg.Reserved):
             self._on_reserved(message)
+        elif isinstance(message, msg.IndexUpdate) and self.prefix is not None:
+            u = message
+            self.prefix.apply(u.holder, u.tier, u.stored, u.evicted, u.rebuild)
         elif isinstance(message, msg.OutputBatch):
             for delta in message.deltas:
                 self._on_delta(delta)
@@ -401,6 +454,7 @@ class WorkerClient:
         else:
             tracked.first_token = True
             tracked.first_token_at = now
+            self._prompt_done(tracked)
             prompt = self._workers[tracked.prompt_worker]
             prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
             m.time_to_first_token.labels(*prompt_key).observe(now - tracked.start)

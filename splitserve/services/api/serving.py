@@ -101,8 +101,30 @@ def sampling_params(
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
+TRAFFIC_CLASS_HEADER = "x-traffic-class"
+
+
+def traffic_class(state: ServerState, request: Request) -> str:
+    """The request's retention class: its x-traffic-class header or kv_store.default_class."""
+    store = state.config.kv_store
+    name = request.headers.get(TRAFFIC_CLASS_HEADER, store.default_class)
+    if name not in store.retention:
+        known = ", ".join(sorted(store.retention))
+        raise APIError(
+            400,
+            f"{TRAFFIC_CLASS_HEADER}: unknown traffic class {name!r} (known: {known})",
+            param=TRAFFIC_CLASS_HEADER,
+            code="invalid_value",
+        )
+    return name
+
+
 def submit(
-    state: ServerState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], n: int
+    state: ServerState,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    n: int,
+    traffic: str | None = None,
 ) -> RequestGroup:
     """Fan out prompts x n choices (choice index = prompt * n + i; seed + i per choice)."""
     base = uuid.uuid4().hex
@@ -113,7 +135,7 @@ def submit(
             choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
             requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
     try:
-        return state.client.submit(requests)
+        return state.client.submit(requests, traffic)
     except QueueFullError as exc:
         api = state.metrics.labels(API_POOL, "api")
         state.metrics.request_failure.labels(*api, "queue_full").inc()

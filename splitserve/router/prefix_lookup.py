@@ -1,0 +1,42 @@
+"""The router's view of the prefix index: how many leading blocks of a prompt each holder has.
+
+Hashes come from kvstore/hashing.py with the engine's block size, so they name the same
+blocks as the workers' block managers and stores. With a ``memory://`` index the index lives
+here and the workers' ``IndexUpdate`` messages are applied to it; with Redis the workers
+publish directly and this only reads. An unreachable index answers nothing, so routing falls
+back to load only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitserve.kvstore.hashing import block_hashes
+from splitserve.kvstore.index import PrefixIndex
+
+
+class PrefixLookup:
+    def __init__(self, index: PrefixIndex, block_size: int) -> None:
+        self.index = index
+        self.block_size = block_size
+
+    def cached_blocks(self, prompt_ids: Sequence[int]) -> dict[str, int]:
+        """Holder -> leading blocks of the prompt it has (in any tier)."""
+        hashes = block_hashes(prompt_ids, self.block_size)
+        if not hashes:
+            return {}
+        return {
+            holder: blocks for holder, (blocks, _) in self.index.longest_prefixes(hashes).items()
+        }
+
+    def apply(
+        self, holder: str, tier: str, stored: Sequence[int], evicted: Sequence[int], rebuild: bool
+    ) -> None:
+        """A worker's update, for an index that lives in this process."""
+        if rebuild:
+            self.index.rebuild(holder, tier, stored)
+        else:
+            self.index.publish(holder, tier, stored, evicted)
+
+    def close(self) -> None:
+        self.index.close()
