@@ -1,0 +1,82 @@
+"""A real Prometheus scrapes a real splitserve under load; every dashboard query has data.
+
+With SPLITSERVE_DASHBOARD_PNG=<path> the load runs longer (with a live scale to 2P2D and back
+in the middle) and the dashboard is rendered to that PNG (docs/img/dashboard.png).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.render_dashboard import dashboard_exprs, render
+from tests.load import MODEL, Load
+from tests.prometheus_process import prometheus, prometheus_binary, query
+from tests.server_process import ServerProcess, serve
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        prometheus_binary() is None,
+        reason="the prometheus binary is absent (make install installs Debian's prometheus)",
+    ),
+]
+PNG = os.environ.get("SPLITSERVE_DASHBOARD_PNG")
+
+
+def abort_one_stream(server: ServerProcess) -> None:
+    """A client that goes away mid-stream: a request_failure_total{reason="abort"}."""
+    body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+
+
+def wait_for_series(url: str, expr: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not query(url, expr) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def scale(server: ServerProcess, prefill: int, decode: int) -> None:
+    replicas = {"prefill": prefill, "decode": decode}
+    response = httpx.post(f"{server.url}/admin/scale", json={"replicas": replicas}, timeout=300)
+    assert response.status_code == 200, response.text
+
+
+def run_load(server: ServerProcess) -> None:
+    if PNG is None:
+        with Load(server.url, concurrency=4, max_tokens=16) as load:
+            load.wait_for(12)
+        assert load.failures == []
+        return
+    for concurrency, seconds, after in ((2, 40, (2, 2)), (8, 60, (1, 1)), (4, 40, None)):
+        with Load(server.url, concurrency=concurrency, max_tokens=24) as load:
+            time.sleep(seconds)
+            if after is not None:
+                scale(server, *after)
+        assert load.failures == []
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus() -> None:
+    with serve() as server, prometheus(server.url.removeprefix("http://")) as prom:
+        start = time.time()
+        run_load(server)
+        abort_one_stream(server)
+        wait_for_series(prom, 'splitserve:request_failure_total{reason="abort"}')
+        time.sleep(3)
+        empty = [
+            f"{title}: {expr}" for title, expr, _ in dashboard_exprs() if not query(prom, expr)
+        ]
+        assert empty == []
+        pools = {s["metric"]["pool"] for s in query(prom, "splitserve:num_workers")}
+        assert pools == {"prefill", "decode"}
+        ttft = query(prom, "splitserve:time_to_first_token_seconds_count")
+        assert {s["metric"]["worker"] for s in ttft} >= {"prefill-0"}
+        if PNG is not None:
+            render(prom, start, time.time(), Path(PNG))
