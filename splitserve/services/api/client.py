@@ -12,6 +12,7 @@ worker (reserve first, so that blocks exist before any compute is spent).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -124,12 +125,7 @@ class _Worker:
             inflight=self.inflight,
             healthy=self.healthy(now, timeout_s),
             queued_tokens=max(stats.queued_tokens if stats else 0, self.prefill_tokens),
-            prefill_tokens_per_s=(
-                stats.prefill_tokens_per_s
-                if stats and stats.prefill_tokens_per_s > 0
-                else DEFAULT_PREFILL_TOKENS_PER_S
-            ),
-            node_id=stats.node_id if stats else "",
+            prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else 0.0,
         )
 
 
@@ -287,7 +283,9 @@ class WorkerClient:
         decodes = [i for i in self._decode if self._workers[i].routable]
         prefills = [i for i in self._prefill if self._workers[i].routable]
         info = RequestInfo(request_id, prompt_ids, self.block_size, self._cached(prompt_ids))
-        prefill_candidates = [self._workers[i].candidate(now, timeout) for i in prefills]
+        prefill_candidates = _with_rates(
+            [self._workers[i].candidate(now, timeout) for i in prefills]
+        )
         plan = self.router.plan(
             info,
             [self._workers[i].candidate(now, timeout) for i in decodes],
@@ -526,6 +524,20 @@ class WorkerClient:
             targets.add(tracked.prefill)
         for worker in targets:
             self._send(worker, msg.AbortRequest([request_id]))
+
+
+def _with_rates(candidates: list[Candidate]) -> list[Candidate]:
+    """Workers that have not measured their prefill rate yet get their pool's mean rate.
+
+    NOTE: candidates carry no node_id, so a worker is credited only with the prefix its own
+    tiers (device, host) hold; a prefix on the node's shared disk tier is what any worker
+    finds there when it runs the request, not a reason to route it somewhere."""
+    measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0]
+    rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
+    return [
+        c if c.prefill_tokens_per_s > 0 else dataclasses.replace(c, prefill_tokens_per_s=rate)
+        for c in candidates
+    ]
 
 
 class RequestGroup:

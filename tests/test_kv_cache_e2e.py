@@ -1,0 +1,239 @@
+"""The KV cache system end to end: 2 prefill workers + 1 decode worker, a Redis prefix index,
+a disk tier shared by both prefill workers (host tier off, so every stored block is on disk).
+
+Per-worker counters come from /metrics: prefix_cache_queries (prompt tokens looked up) and
+prefix_cache_hits{tier} (prompt tokens served from device, host or disk).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from splitserve.engine.llm import LLM
+from splitserve.engine.request import SamplingParams
+from splitserve.kvstore.hashing import block_hashes
+from tests.redis_process import RedisProcess
+from tests.server_process import ServerProcess, serve
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+WORKERS = ("prefill-0", "prefill-1")
+MAX_TOKENS = 8
+STATS_WAIT_S = 0.8
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def server(redis_server: RedisProcess, disk: Path) -> Iterator[ServerProcess]:
+    with serve(
+        "pools.prefill.replicas=2",
+        f"prefix_index.url={redis_server.url}",
+        "prefix_index.publish_interval_s=0.2",
+        "kv_store.host_bytes=0",
+        f"kv_store.disk_path={disk}",
+        "kv_store.retention.agent=2",
+    ) as process:
+        yield process
+
+
+def counters(url: str) -> dict[tuple[str, str], float]:
+    """(worker, "queries" | tier) -> prompt tokens, for the prefill workers."""
+    result: dict[tuple[str, str], float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        match = re.match(r"splitserve:prefix_cache_(queries|hits)_total\{(.*)\} (\S+)", line)
+        if match is None:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+        key = "queries" if match.group(1) == "queries" else labels["tier"]
+        result[(labels["worker"], key)] = float(match.group(3))
+    return result
+
+
+def delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict:
+    """worker -> {"queries", "device", "host", "disk", "computed"} increments."""
+    out = {}
+    for worker in WORKERS:
+        d = {
+            k: after.get((worker, k), 0.0) - before.get((worker, k), 0.0)
+            for k in ("queries", "device", "host", "disk")
+        }
+        d["computed"] = d["queries"] - d["device"] - d["host"] - d["disk"]
+        out[worker] = d
+    return out
+
+
+def chat(url: str, messages: list[dict[str, str]], headers: dict[str, str] | None = None) -> str:
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def measured(url: str, messages: list[dict[str, str]], **kwargs: Any) -> tuple[str, dict]:
+    before = counters(url)
+    text = chat(url, messages, **kwargs)
+    time.sleep(STATS_WAIT_S)
+    return text, delta(before, counters(url))
+
+
+def reference(llm: LLM, messages: list[dict[str, str]]) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
+def reused(first: list[int], second: list[int]) -> int:
+    """Prompt tokens of ``second`` whose KV the first prompt's full blocks provide."""
+    common = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        common += 1
+    return min(common // 16, len(first) // 16, (len(second) - 1) // 16) * 16
+
+
+def system_prompt(topic: str, sentences: int) -> str:
+    return " ".join(
+        f"Rule {i} about {topic}: answer briefly and stay polite." for i in range(sentences)
+    )
+
+
+def chosen(d: dict) -> str:
+    """The prefill worker that computed the request (the only one whose queries moved)."""
+    workers = [w for w in WORKERS if d[w]["queries"] > 0]
+    assert len(workers) == 1, d
+    return workers[0]
+
+
+def test_unknown_traffic_class_is_400(server: ServerProcess) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions", json=body, headers={"x-traffic-class": "batch"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "x-traffic-class"
+
+
+def test_turn_2_goes_to_turn_1_replica_and_computes_only_new_tokens(
+    server: ServerProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
+) -> None:
+    turn1 = [
+        {"role": "system", "content": system_prompt("gardens", 12)},
+        {"role": "user", "content": "Name a flower."},
+    ]
+    answer, d1 = measured(server.url, turn1)
+    assert answer == reference(smollm2_llm, turn1)
+    holder = chosen(d1)
+    turn2 = [*turn1, {"role": "assistant", "content": answer}]
+    turn2.append({"role": "user", "content": "And a tree?"})
+    answer2, d2 = measured(server.url, turn2)
+    assert answer2 == reference(smollm2_llm, turn2)
+    assert chosen(d2) == holder
+    ids1, ids2 = prompt_ids(smollm2_tokenizer, turn1), prompt_ids(smollm2_tokenizer, turn2)
+    cached = reused(ids1, ids2)
+    assert cached >= 160
+    assert d2[holder]["device"] == cached
+    assert d2[holder]["computed"] == len(ids2) - cached
+
+
+def test_saturated_holder_sends_turn_2_to_other_replica_which_loads_prefix_from_disk(
+    server: ServerProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
+) -> None:
+    turn1 = [
+        {"role": "system", "content": system_prompt("rivers", 40)},
+        {"role": "user", "content": "Name a river."},
+    ]
+    answer, d1 = measured(server.url, turn1)
+    holder = chosen(d1)
+    other = next(w for w in WORKERS if w != holder)
+    ids1 = prompt_ids(smollm2_tokenizer, turn1)
+    # Saturate the holder: one request that shares its prefix and adds twice as many new
+    # tokens. Cache-aware routing sends it there (cheaper than computing everything on the
+    # other replica), and while it runs the holder's queue exceeds turn 2's whole prompt.
+    tail = system_prompt("unrelated matters", 2 * len(ids1) // 14)
+    burst = [turn1[0], {"role": "user", "content": tail}]
+    before = counters(server.url)
+    thread = threading.Thread(target=chat, args=(server.url, burst))
+    thread.start()
+    time.sleep(0.3)
+    turn2 = [*turn1, {"role": "assistant", "content": answer}]
+    turn2.append({"role": "user", "content": "And a lake?"})
+    answer2 = chat(server.url, turn2)
+    thread.join()
+    time.sleep(STATS_WAIT_S)
+    d = delta(before, counters(server.url))
+    ids2 = prompt_ids(smollm2_tokenizer, turn2)
+    cached = reused(ids1, ids2)
+    assert answer2 == reference(smollm2_llm, turn2)
+    assert d[holder]["queries"] == len(prompt_ids(smollm2_tokenizer, burst))
+    assert d[other]["queries"] == len(ids2)
+    assert d[other]["disk"] == cached
+    assert d[other]["computed"] == len(ids2) - cached
+
+
+def test_block_past_its_retention_is_gone(
+    server: ServerProcess, disk: Path, smollm2_tokenizer: Any
+) -> None:
+    messages = [{"role": "user", "content": system_prompt("short-lived agent notes", 8)}]
+    chat(server.url, messages, headers={"x-traffic-class": "agent"})
+    hashes = block_hashes(prompt_ids(smollm2_tokenizer, messages), 16)
+    files = [disk / f"{h:016x}"[:2] / f"{h:016x}.kv" for h in hashes]
+    assert all(f.exists() for f in files)
+    time.sleep(3.5)
+    assert not any(f.exists() for f in files)
+
+
+def test_redis_outage_fails_no_request_and_restart_restores_cache_aware_routing(
+    server: ServerProcess, redis_server: RedisProcess, smollm2_llm: LLM
+) -> None:
+    turn1 = [
+        {"role": "system", "content": system_prompt("mountains", 12)},
+        {"role": "user", "content": "Name a peak."},
+    ]
+    answer = chat(server.url, turn1)
+    redis_server.stop()
+    try:
+        for i in range(3):
+            messages = [{"role": "user", "content": f"Outage question {i}: name a colour."}]
+            assert chat(server.url, messages) == reference(smollm2_llm, messages)
+    finally:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 15
+    while not client.keys("splitserve:kv:b:*") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)
+    fields = {f.decode() for key in client.keys("splitserve:kv:b:*") for f in client.hgetall(key)}
+    assert {f"{w}@device" for w in WORKERS} <= fields
+    turn2 = [*turn1, {"role": "assistant", "content": answer}]
+    turn2.append({"role": "user", "content": "And a valley?"})
+    answer2, d = measured(server.url, turn2)
+    assert answer2 == reference(smollm2_llm, turn2)
+    assert d[chosen(d)]["device"] > 0
