@@ -80,7 +80,7 @@ def render(url: str, start: float, end: float, out: Path, step: float = 2.0) -> 
         ax.axis("off")
     stamp = datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M:%S")
     fig.suptitle(f"splitserve dashboard (seconds since {stamp})", fontsize=12)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=72)
     plt.close(fig)
