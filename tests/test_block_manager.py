@@ -106,3 +106,20 @@ def test_scheduler_preempts_newest_request_when_blocks_run_out() -> None:
     assert batch.num_preempted == 1
     assert list(scheduler.waiting) == [new] and new.num_computed_tokens == 0
     assert old.block_table == [0, 1, 3]
+
+
+def test_waiting_requests_holding_blocks_cannot_starve_the_queue_head() -> None:
+    config = EngineConfig(block_size=2, max_num_batched_tokens=64, max_num_seqs=4)
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    scheduler = Scheduler(config, bm)
+    first, second = _req("first", [1, 2, 3, 4]), _req("second", [5, 6, 7, 8])
+    for req in (first, second):
+        # As after a KV handoff: the prompt's blocks are filled and one token was sampled.
+        assert bm.allocate_slots(req, 4)
+        req.num_computed_tokens = 4
+        req.output_token_ids.append(9)
+        scheduler.add(req)
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["first"]
+    assert second.block_table == [] and second.num_computed_tokens == 0
+    assert first.block_table == [0, 1, 3]

@@ -79,7 +79,9 @@ class Scheduler:
             if not req.block_table:
                 req.num_computed_tokens = self.block_manager.allocate_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(req, num_new):
+            if not self.block_manager.allocate_slots(req, num_new) and not self._make_room(
+                req, num_new
+            ):
                 self.block_manager.free(req)
                 req.num_computed_tokens = 0
                 return
@@ -108,6 +110,23 @@ class Scheduler:
             for queue in (self.waiting, self.running)
             for r in queue
         )
+
+    def _make_room(self, head: Request, num_new: int) -> bool:
+        """Nothing runs and the head of the queue cannot start: take blocks back from the
+        newest waiting requests that hold some (KV adopted from a prefill worker, say);
+        they are recomputed later. Without this, waiting requests could hold the whole pool
+        while none of them can ever run."""
+        if self.running:
+            return False
+        for other in reversed(self.waiting):
+            if other is head or not other.block_table:
+                continue
+            self.block_manager.free(other)
+            other.num_computed_tokens = 0
+            self.num_preemptions += 1
+            if self.block_manager.allocate_slots(head, num_new):
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
