@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,8 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         _wait_ready(server, url)
+        # Keep draining the server's output: a full pipe would block its request log.
+        threading.Thread(target=_drain, args=(server,), daemon=True).start()
         before = _counters(url)
         out = REPO / f"benchmarks/results/.shared-prefix-{policy}.json"
         subprocess.run(
@@ -109,6 +112,12 @@ def _dataset_args(args: argparse.Namespace) -> list[str]:
         *("--output-len", str(args.output_len)),
         *("--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate)),
     ]
+
+
+def _drain(server: subprocess.Popen[str]) -> None:
+    assert server.stdout is not None
+    for _ in server.stdout:
+        pass
 
 
 def _counters(url: str) -> dict[str, float]:
