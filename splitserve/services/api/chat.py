@@ -100,20 +100,9 @@ async def _stream(
             if delta.finish_reason is not None:
                 yield chunk(index, {}, finish_reason=delta.finish_reason)
         if body.include_usage:
-            usage = {
-                "prompt_tokens": prompt_len,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_len + completion_tokens,
-            }
-            yield sv.sse(
-                {
-                    "id": response_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": state.model_name,
-                    "choices": [],
-                    "usage": usage,
-                }
+            counts = sv.usage_counts(prompt_len, completion_tokens)
+            yield sv.usage_chunk(
+                response_id, "chat.completion.chunk", created, state.model_name, counts
             )
     except EngineRequestError as exc:
         yield sv.sse_error(exc)

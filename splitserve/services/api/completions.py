@@ -145,21 +145,8 @@ async def _stream(
                 yield chunk(index, delta.text, logprobs, delta.finish_reason)
         if body.include_usage:
             prompt_tokens = sum(len(p) for p in prompts)
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            }
-            yield sv.sse(
-                {
-                    "id": response_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": state.model_name,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
+            counts = sv.usage_counts(prompt_tokens, completion_tokens)
+            yield sv.usage_chunk(response_id, "text_completion", created, state.model_name, counts)
     except EngineRequestError as exc:
         yield sv.sse_error(exc)
     finally:

@@ -191,13 +191,31 @@ async def collect(request: Request, group: RequestGroup, num_choices: int) -> li
 
 def usage(prompts: Sequence[list[int]], choices: Sequence[Choice]) -> dict[str, Any]:
     """OpenAI usage: each prompt counted once, every choice's tokens counted."""
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return usage_counts(sum(len(p) for p in prompts), sum(len(c.token_ids) for c in choices))
+
+
+def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def usage_chunk(
+    response_id: str, kind: str, created: int, model: str, counts: dict[str, int]
+) -> str:
+    """The last streamed chunk when stream_options.include_usage is set: usage, no choices."""
+    return sse(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": counts,
+        }
+    )
 
 
 def token_text(state: ServerState, entry: TokenLogprob) -> str:
