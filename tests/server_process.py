@@ -25,6 +25,7 @@ class ServerProcess:
     url: str
     process: subprocess.Popen[str]
     lines: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
 
     @property
     def api(self) -> str:
@@ -70,7 +71,32 @@ def worker_pids(server: ServerProcess) -> dict[str, int]:
 @contextmanager
 def serve(*overrides: str) -> Iterator[ServerProcess]:
     """Run `splitserve serve --set ...` until the block ends, then SIGTERM it (exit code 0)."""
-    port = free_port()
+    server = _start_ready(overrides)
+    try:
+        yield server
+    finally:
+        _stop(server.process)
+        _drain(server)
+    code = server.process.returncode
+    assert code == 0, f"exit code {code}: {server.lines[-10:]}"
+
+
+def _start_ready(overrides: tuple[str, ...], attempts: int = 3) -> ServerProcess:
+    """Start the server on a free port; a port taken between probe and bind is retried."""
+    for attempt in range(attempts):
+        server = _start(free_port(), overrides)
+        try:
+            _wait_ready(server)
+            return server
+        except RuntimeError:
+            _stop(server.process)
+            taken = any("address already in use" in line for line in server.lines)
+            if not taken or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(port: int, overrides: tuple[str, ...]) -> ServerProcess:
     command = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
     for item in overrides:
         command += ["--set", item]
@@ -85,19 +111,21 @@ def serve(*overrides: str) -> Iterator[ServerProcess]:
         start_new_session=True,
     )
     server = ServerProcess(f"http://127.0.0.1:{port}", process)
-    threading.Thread(target=_pump, args=(process, server.lines), daemon=True).start()
-    try:
-        _wait_ready(server)
-        yield server
-    finally:
-        _stop(process)
-    assert process.returncode == 0, f"exit code {process.returncode}: {server.lines[-10:]}"
+    server.reader = threading.Thread(target=_pump, args=(process, server.lines), daemon=True)
+    server.reader.start()
+    return server
 
 
 def _pump(process: subprocess.Popen[str], lines: list[str]) -> None:
     assert process.stdout is not None
     for line in process.stdout:
         lines.append(line)
+
+
+def _drain(server: ServerProcess, timeout: float = 30.0) -> None:
+    """Wait until every line the server wrote before it exited is in `server.lines`."""
+    if server.reader is not None:
+        server.reader.join(timeout=timeout)
 
 
 def _wait_ready(server: ServerProcess) -> None:
