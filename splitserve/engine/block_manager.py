@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from splitserve.engine.request import Request
-from splitserve.kvstore.hashing import ROOT_HASH, hash_block
+from splitserve.kvstore.hashing import ROOT_HASH, hash_block, image_extra
 
 PrefixLoader = Callable[[Sequence[int]], list[tuple[int, str]]]
 """Block hashes (a prompt's next uncached ones) -> (filled block id, tier it came from) for
@@ -138,11 +138,13 @@ class BlockManager:
     def _block_hashes(self, req: Request) -> list[int]:
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens = req.all_token_ids
+        spans = [image.span for image in req.images]
         parent = hashes[-1] if hashes else ROOT_HASH
         for start in range(
             len(hashes) * self.block_size, len(tokens) - self.block_size + 1, self.block_size
         ):
-            parent = hash_block(parent, tokens[start : start + self.block_size])
+            end = start + self.block_size
+            parent = hash_block(parent, tokens[start:end], image_extra(spans, start, end))
             hashes.append(parent)
         return hashes
 

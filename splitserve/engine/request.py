@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.multimodal import ImageInput
+
 
 @dataclass
 class SamplingParams:
@@ -115,8 +117,10 @@ class Request:
         params: SamplingParams,
         prompt: str | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        images: list[ImageInput] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.images = images or []
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self._all_token_ids = list(prompt_token_ids)

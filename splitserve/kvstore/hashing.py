@@ -3,6 +3,11 @@
 One pure function shared by the engine's block manager, the router and the block store:
 block i's hash covers its own token ids and, through the parent hash, every token before it.
 Hashes are unsigned 64-bit integers so they travel in msgpack and Redis keys unchanged.
+
+Image placeholder tokens are all the same id, so token ids alone cannot tell two images
+apart: a block that overlaps an image also mixes in that image's content hash (``ImageSpan``),
+and every block after it inherits the difference through the chain. Two prompts that differ
+only in their images therefore never share KV from the first image block on.
 """
 
 from __future__ import annotations
@@ -10,8 +15,24 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 ROOT_HASH = 0
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's placeholder tokens in a prompt: ``length`` positions from ``offset``.
+
+    image_hash: hex digest of the image's content (the same image has the same hash)."""
+
+    image_hash: str
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 def hash_block(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
@@ -23,12 +44,26 @@ def hash_block(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int
     return int.from_bytes(digest.digest(), "little")
 
 
+def image_extra(images: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """The extra key of the block of positions [start, end): the content hashes of the
+    images overlapping it, in prompt order (empty when none does)."""
+    overlapping = [s.image_hash for s in images if s.offset < end and start < s.end]
+    return "".join(f"img:{h};" for h in overlapping).encode()
+
+
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH, extra: bytes = b""
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: int = ROOT_HASH,
+    extra: bytes = b"",
+    images: Sequence[ImageSpan] = (),
 ) -> list[int]:
-    """Chained hashes of every *full* block of token_ids (a trailing partial block has none)."""
+    """Chained hashes of every *full* block of token_ids (a trailing partial block has none).
+
+    images: the prompt's image spans; blocks overlapping one mix in its content hash."""
     hashes: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        end = start + block_size
+        parent = hash_block(parent, token_ids[start:end], extra + image_extra(images, start, end))
         hashes.append(parent)
     return hashes
