@@ -1,4 +1,4 @@
-"""`splitserve serve | scale | bench serve | bench offline`.
+"""`splitserve serve | scale | make-tiny-model | bench serve | bench offline`.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing lazily so that
@@ -14,6 +14,10 @@ import sys
 _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("splitserve.services.launch", "start the OpenAI-compatible service"),
     "scale": ("splitserve.services.scale", "resize a running deployment's pools live"),
+    "make-tiny-model": (
+        "splitserve.tiny_vlm",
+        "write a tiny random vision-language model (no download)",
+    ),
     "bench serve": ("splitserve.bench.serve", "load-test an OpenAI-compatible endpoint"),
     "bench offline": (
         "splitserve.bench.offline",

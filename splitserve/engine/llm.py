@@ -8,9 +8,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from splitserve.engine.chat_images import split_images
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.image_inputs import image_hash
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.loader import resolve_model
+from splitserve.engine.multimodal import ImageInput, expand_image_tokens
 from splitserve.engine.request import RequestOutput, SamplingParams
+from splitserve.engine.vision_config import load_vision_config
+from splitserve.engine.vision_encoder import VisionEncoder
+from splitserve.kvstore.hashing import ImageSpan
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -31,6 +38,11 @@ class LLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
+        self.vision: VisionEncoder | None = None
+        path = resolve_model(engine.config.model)
+        if load_vision_config(path) is not None:
+            dtype = engine.runner.dtype
+            self.vision = VisionEncoder(path, engine.config.device, dtype)
 
     def generate(
         self,
@@ -54,10 +66,38 @@ class LLM:
         params: SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) and generate."""
+        """Apply the model's chat template (with the generation prompt) and generate.
+
+        Messages may hold image content parts (engine/chat_images.py) for a vision-language
+        model: each image is encoded here and its embeddings fill its placeholder tokens."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm)
+        params = params or SamplingParams()
+        request_ids = []
+        for conversation in conversations:
+            rendered, pictures = split_images(conversation)  # type: ignore[arg-type]
+            prompt, images = self._with_images(self.apply_chat_template(rendered), pictures)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, prompt, params, images=images)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def _with_images(
+        self, token_ids: list[int], pictures: list[Any]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """Expand each image token to the encoder's tokens and attach the embeddings."""
+        if not pictures:
+            return token_ids, []
+        if self.vision is None:
+            raise ValueError("this model does not accept images")
+        config = self.vision.config
+        ids, spans = expand_image_tokens(token_ids, config.image_token_id, config.tokens_per_image)
+        if len(spans) != len(pictures):
+            raise ValueError(f"{len(pictures)} images but {len(spans)} image tokens in the prompt")
+        embeddings = self.vision.encode(pictures)
+        return ids, [
+            ImageInput(ImageSpan(image_hash(picture), offset, length), embedding)
+            for picture, (offset, length), embedding in zip(pictures, spans, embeddings)
+        ]
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(

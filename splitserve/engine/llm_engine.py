@@ -19,10 +19,12 @@ from splitserve.engine.loader import (
     resolve_model,
 )
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.multimodal import ImageInput, check_images
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
+from splitserve.engine.vision_config import load_vision_config
 
 
 @dataclass
@@ -58,6 +60,8 @@ class LLMEngine:
         self.model_name = config.model
         path = resolve_model(config.model)
         self.model_config = load_model_config(path)
+        vision = load_vision_config(path)
+        self.image_token_id = vision.image_token_id if vision is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         self.eos_token_ids = _eos_ids(self.tokenizer)
         self.max_model_len = _max_model_len(
@@ -88,28 +92,36 @@ class LLMEngine:
         params: SamplingParams,
         prefill_only: bool = False,
         traffic_class: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Queue a request; ValueError if it can never be served.
 
         prefill_only: compute the prompt and sample the first token, then hand the KV over
         (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
         which its blocks are kept in the block store (None: the store's default).
+        images: the prompt's images with their embeddings (a vision-language model only).
         """
-        req = self._new_request(request_id, prompt, params)
+        req = self._new_request(request_id, prompt, params, images)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
         self._register(req)
         self.scheduler.add(req)
 
     def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        images: list[ImageInput] | None = None,
     ) -> Request:
         if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
-        return Request(request_id, token_ids, params, text, self.eos_token_ids)
+        images = sorted(images or [], key=lambda i: i.span.offset)
+        check_images(token_ids, images, self.image_token_id, self.model_config.hidden_size)
+        return Request(request_id, token_ids, params, text, self.eos_token_ids, images)
 
     def _register(self, req: Request) -> None:
         params = req.params

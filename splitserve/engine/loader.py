@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.vision_config import VISION_MODEL_TYPES
 
 SHAPE_PREFIX = "shape:"
 
@@ -36,6 +37,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_VLM_PREFIXES = (
+    ("model.language_model.", "text"),
+    ("language_model.model.", "text"),
+    ("model.vision_tower.vision_model.", "vision"),
+    ("model.vision_tower.", "vision"),
+    ("vision_tower.vision_model.", "vision"),
+    ("vision_tower.", "vision"),
+    ("model.multi_modal_projector.", "projector"),
+    ("multi_modal_projector.", "projector"),
+)
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -111,7 +122,11 @@ def load_model_config(path: str) -> ModelConfig:
         names = {t.name for t in reader.tensors}
         return ModelConfig.from_gguf(_gguf_metadata(reader), "output.weight" in names)
     with open(os.path.join(path, "config.json")) as f:
-        return ModelConfig.from_hf(json.load(f))
+        config = json.load(f)
+    if config.get("model_type") in VISION_MODEL_TYPES:
+        text = {"tie_word_embeddings": config.get("tie_word_embeddings", False)}
+        return ModelConfig.from_hf({**text, **config["text_config"]})
+    return ModelConfig.from_hf(config)
 
 
 def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -120,6 +135,35 @@ def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Te
         yield from _iter_gguf(path, config)
     else:
         yield from _iter_safetensors(path)
+
+
+def vlm_part(name: str) -> tuple[str, str]:
+    """A vision-language checkpoint's tensor name -> (part, name inside that part).
+
+    part is "text" (name as in a text-only checkpoint: ``model.layers...``, ``lm_head``),
+    "vision" (``embeddings...``, ``encoder.layers...``) or "projector" (``linear_1...``).
+    Checkpoints spell these three ways: ``language_model.model.`` / ``vision_tower.`` (what
+    transformers writes, and llava-hf with ``vision_tower.vision_model.``) or
+    ``model.language_model.`` / ``model.vision_tower.`` (transformers 5 in memory).
+    """
+    for prefix, part in _VLM_PREFIXES:
+        if name.startswith(prefix):
+            inner = name.removeprefix(prefix)
+            return part, f"model.{inner}" if part == "text" else inner
+    if name.startswith("language_model.lm_head."):
+        return "text", name.removeprefix("language_model.")
+    return "text", name
+
+
+def text_weights(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under text-only names (a text-only checkpoint passes
+    through unchanged)."""
+    for name, tensor in weights:
+        part, inner = vlm_part(name)
+        if part == "text":
+            yield inner, tensor
 
 
 def _gguf_reader(path: str) -> Any:

@@ -7,9 +7,11 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
-from splitserve.engine.loader import iter_weights
+from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.multimodal import step_embeddings, touches_images
+from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +59,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         if weights_path is not None:
-            model.load_weights(iter_weights(weights_path, cfg))
+            model.load_weights(text_weights(iter_weights(weights_path, cfg)))
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -97,15 +99,19 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns logits of the requests that sample and their batch indices."""
-        if self.graphs is not None and self.graphs.fits(batch):
+        if self.graphs is not None and self.graphs.fits(batch) and not _has_images(batch):
             return self.graphs.run(batch)
-        input_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        image_segments: list[tuple[int, Request, int, int]] = []
+        input_ids, positions, meta, sample_rows, sampled = self._prepare(batch, image_segments)
+        image_embeds = step_embeddings(image_segments, self.device)
+        hidden = self.model(input_ids, positions, meta, image_embeds)
         return self.model.compute_logits(hidden[sample_rows]), sampled
 
     def _prepare(
-        self, batch: ScheduledBatch
+        self, batch: ScheduledBatch, image_segments: list[tuple[int, Request, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        """The step's flat inputs; appends (row, request, start, end) of the segments that
+        compute image positions to image_segments."""
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] > 1)
         ids: list[int] = []
         pos: list[int] = []
@@ -120,6 +126,8 @@ class ModelRunner:
             req, num_new = batch.requests[i], batch.num_new_tokens[i]
             start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
             row = len(ids)
+            if req.images and touches_images(req, start, end):
+                image_segments.append((row, req, start, end))
             ids.extend(req.all_token_ids[start:end])
             pos.extend(range(start, end))
             table = req.block_table
@@ -144,6 +152,14 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _has_images(batch: ScheduledBatch) -> bool:
+    """Decode graphs embed token ids only: a step computing an image position runs eagerly."""
+    return any(
+        req.images and touches_images(req, req.num_computed_tokens, req.num_computed_tokens + n)
+        for req, n in zip(batch.requests, batch.num_new_tokens)
+    )
 
 
 def _pad(tables: list[list[int]]) -> list[list[int]]:

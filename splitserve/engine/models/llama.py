@@ -107,10 +107,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Flat token ids [T] -> final hidden states [T, hidden]."""
+        """Flat token ids [T] -> final hidden states [T, hidden].
+
+        image_embeds: (rows, embeddings) that replace those rows' token embeddings (the
+        image placeholders computed in this step, engine/multimodal.py)."""
         x, residual = self.embed_tokens(input_ids), None
+        if image_embeds is not None:
+            rows, values = image_embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
