@@ -20,7 +20,7 @@ import yaml
 from splitserve.engine.config import EngineConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
-ROLES = ("both", "prefill", "decode")
+ROLES = ("both", "prefill", "decode", "vision")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
 ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 DAY_S = 24 * 3600.0
@@ -188,6 +188,31 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class ImagesConfig:
+    """Image inputs of chat requests (docs/vision.md).
+
+    max_bytes / max_pixels / max_per_request: larger or more images get a 400.
+    allowed_hosts: hosts whose http(s) image URLs the API server may fetch; empty (the
+    default) refuses every remote URL, so the server cannot be made to request anything.
+    encoder_cache_bytes: each vision worker's cache of embeddings by image content hash.
+    """
+
+    max_bytes: int = 5 << 20
+    max_pixels: int = 4_000_000
+    max_per_request: int = 4
+    allowed_hosts: tuple[str, ...] = ()
+    fetch_timeout_s: float = 5.0
+    encoder_cache_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        _require(self.max_bytes >= 1, "images.max_bytes must be at least 1")
+        _require(self.max_pixels >= 1, "images.max_pixels must be at least 1")
+        _require(self.max_per_request >= 0, "images.max_per_request must be >= 0")
+        _require(self.fetch_timeout_s > 0, "images.fetch_timeout_s must be positive")
+        _require(self.encoder_cache_bytes >= 0, "images.encoder_cache_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
 class RayConfig:
     """address=None starts a private local Ray; otherwise join that cluster ("auto" works)."""
 
@@ -205,6 +230,7 @@ class DeployConfig:
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must not be empty")
@@ -318,9 +344,10 @@ def _check_roles(roles: list[str]) -> None:
     if all(r == "both" for r in roles):
         return
     _require(
-        sorted(roles) == ["decode", "prefill"],
-        "a disaggregated deployment has exactly one prefill pool and one decode pool and no "
-        f"`both` pool (got roles {sorted(roles)}); a colocated one has only `both` pools",
+        sorted(roles) in (["decode", "prefill"], ["decode", "prefill", "vision"]),
+        "a disaggregated deployment has exactly one prefill pool and one decode pool, at most "
+        f"one vision pool and no `both` pool (got roles {sorted(roles)}); a colocated one has "
+        "only `both` pools",
     )
 
 

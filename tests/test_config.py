@@ -70,6 +70,12 @@ def test_override_can_add_a_pool_with_defaults() -> None:
     assert config.pools["extra"].replicas == 3 and config.pools["extra"].role == "both"
 
 
+def test_a_vision_pool_joins_prefill_and_decode_pools() -> None:
+    config = load_config(REPO / "configs" / "vision-tiny.yaml")
+    assert sorted(p.role for p in config.pools.values()) == ["decode", "prefill", "vision"]
+    assert config.images.allowed_hosts == ()
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -77,7 +83,9 @@ def test_override_can_add_a_pool_with_defaults() -> None:
         ("server.port=abc", "server.port must be int, got 'abc'"),
         ("server.port=70000", "server.port must be in [0, 65535]"),
         ("server.max_n=true", "server.max_n must be int, got True"),
-        ("pools.decode.role=vision", "role 'vision' is not supported"),
+        ("pools.decode.role=encoder", "role 'encoder' is not supported"),
+        ("pools.decode.role=vision", "exactly one prefill pool and one decode pool"),
+        ("images.max_pixels=0", "images.max_pixels must be at least 1"),
         ("pools.decode.role=prefill", "exactly one prefill pool and one decode pool"),
         ("pools.extra.role=both", "exactly one prefill pool and one decode pool"),
         ("transfer.backend=mpi", "transfer.backend 'mpi' is not one of"),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import SampleResult
 
@@ -61,9 +62,17 @@ class KVHandoff:
         return self.prefilled.pop(request_id)
 
     # Decode side.
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
-        """Reserve blocks for a prompt prefilled elsewhere; False when none are free now."""
-        req = self.engine._new_request(request_id, prompt_token_ids, params)
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: list[ImageInput] | None = None,
+    ) -> bool:
+        """Reserve blocks for a prompt prefilled elsewhere; False when none are free now.
+
+        images: the prompt's images, for image-aware block hashes of the adopted KV."""
+        req = self.engine._new_request(request_id, prompt_token_ids, params, images)
         if not self.engine.block_manager.allocate_slots(req, req.num_prompt_tokens):
             return False
         self.reserved[request_id] = req

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.request import RequestOutput
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError
 from splitserve.services import messages as msg
@@ -86,8 +87,9 @@ class DecodeWorker(EngineWorker):
         while self._waiting:
             request = self._waiting[0]
             try:
+                images = [ImageInput(span) for span in request.images]
                 if not self.engine.handoff.reserve(
-                    request.request_id, request.prompt_token_ids, request.params
+                    request.request_id, request.prompt_token_ids, request.params, images
                 ):
                     return
             except ValueError as exc:

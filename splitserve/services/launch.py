@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"splitserve: config error: {exc}", file=sys.stderr)
         return 2
+    if os.path.exists(config.model):
+        # Workers may start elsewhere than this directory: give them an absolute path.
+        config = dataclasses.replace(config, model=os.path.abspath(config.model))
     deployment = Deployment(config)
     previous = _interrupt_on_signals()
     try:
@@ -108,7 +112,7 @@ class Deployment:
 
     @property
     def max_model_len(self) -> int:
-        return min(info["max_model_len"] for info in self.workers)
+        return min(info["max_model_len"] for info in self.workers if info["role"] != "vision")
 
     def start(self) -> None:
         with ThreadPoolExecutor(1) as pool:
@@ -177,7 +181,6 @@ class Deployment:
     def _place(self, name: str) -> Replica:
         """One replica of pool ``name`` in a placement group of its own (one bundle: its CPUs,
         GPUs and the pool's custom resources), so that removing it frees exactly its share."""
-        import dataclasses
 
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -217,6 +220,7 @@ class Deployment:
                 {
                     "prefix_index": dataclasses.asdict(self.config.prefix_index),
                     "kv_store": dataclasses.asdict(self.config.kv_store),
+                    "images": dataclasses.asdict(self.config.images),
                 },
             )
         )
@@ -278,6 +282,8 @@ def _load_tokenizer(model: str) -> Any:
 async def _serve(deployment: Deployment) -> None:
     import uvicorn
 
+    from splitserve.engine.loader import resolve_model
+    from splitserve.engine.vision_config import load_vision_config
     from splitserve.kvstore.index import make_index
     from splitserve.router.prefix_lookup import PrefixLookup
     from splitserve.router.router import Router
@@ -294,7 +300,7 @@ async def _serve(deployment: Deployment) -> None:
         WorkerEndpoint(w["worker_id"], w["request_addr"], w["output_addr"], w["role"], w["kv_addr"])
         for w in deployment.workers
     ]
-    decode_pool = next(n for n, p in config.pools.items() if p.role != "prefill")
+    decode_pool = next(n for n, p in config.pools.items() if p.role in ("decode", "both"))
     block_size = config.pools[decode_pool].engine.block_size
     index = make_index(config.prefix_index.url, config.prefix_index.ttl_s)
     client = WorkerClient(
@@ -307,7 +313,14 @@ async def _serve(deployment: Deployment) -> None:
         prefix=PrefixLookup(index, block_size),
     )
     client.start()
-    state = ServerState(config, deployment.tokenizer, client, metrics, deployment.max_model_len)
+    state = ServerState(
+        config,
+        deployment.tokenizer,
+        client,
+        metrics,
+        deployment.max_model_len,
+        load_vision_config(resolve_model(config.model)),
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(state, Scaler(deployment, client)),

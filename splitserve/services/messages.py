@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from splitserve.engine.request import SamplingParams
+from splitserve.kvstore.hashing import ImageSpan
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Reserve:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_worker: str
+    images: list[ImageSpan] = dataclasses.field(default_factory=list)
+    """The prompt's images: their content hashes keep the block hashes image-aware."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,39 @@ class Prefill:
     decode_worker: str
     decode_kv_addr: str
     traffic_class: str | None = None
+    images: list[ImageSpan] = dataclasses.field(default_factory=list)
+    """The prompt's images; their embeddings come from a vision worker (EmbeddingsHeader)."""
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """One image's file bytes (already checked by the API server) and content hash."""
+
+    image_hash: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class EncodeImages:
+    """API server -> vision worker: encode these images (cached ones are not encoded again)
+    and send their embeddings, in order, to prefill_worker's embeddings socket."""
+
+    request_id: str
+    images: list[ImageData]
+    prefill_worker: str
+    prefill_addr: str
+
+
+@dataclass(frozen=True)
+class EmbeddingsHeader:
+    """Vision worker -> prefill worker: the embeddings of request_id's images follow on
+    channel generation, one [tokens, hidden] tensor of all images in prompt order."""
+
+    request_id: str
+    sender: str
+    generation: int
+    shape: list[int]
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -154,6 +190,12 @@ class WorkerStats:
     """Recent prompt throughput (0 until measured)."""
     node_id: str = ""
     """Holder id of the node's shared block store tier ("" without one)."""
+    images_encoded: int = 0
+    """A vision worker's images run through its encoder since start."""
+    encoder_cache_hits: int = 0
+    """A vision worker's images served from its encoder cache since start."""
+    encode_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Durations of the encoder runs finished since the previous stats message."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +216,8 @@ Message = (
     | Reserve
     | Reserved
     | Prefill
+    | EncodeImages
+    | EmbeddingsHeader
     | KvHeader
     | AbortRequest
     | OutputBatch
@@ -187,6 +231,8 @@ _TYPES: dict[str, type] = {
         Reserve,
         Reserved,
         Prefill,
+        EncodeImages,
+        EmbeddingsHeader,
         KvHeader,
         AbortRequest,
         OutputBatch,
@@ -200,6 +246,7 @@ _SCALARS: dict[type, tuple[type, ...]] = {
     float: (float, int),
     str: (str,),
     bool: (bool,),
+    bytes: (bytes,),
 }
 
 

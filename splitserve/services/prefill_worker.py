@@ -6,6 +6,9 @@ decode worker, which that peer's sender thread works through in order: a KvHeade
 to the decode worker's ZMQ socket, then the tensor over the KV transport. One thread per
 peer keeps the sends on each channel in the order the headers announced them, and a decode
 worker that stopped receiving holds up only its own transfers.
+
+A prompt with images starts once both its Prefill message and its image embeddings (from a
+vision worker, through the EmbeddingInbox on this worker's embeddings socket) are here.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import torch
 import zmq
 
 from splitserve.engine.kv_handoff import Prefilled
+from splitserve.engine.multimodal import ImageInput
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError
 from splitserve.services import messages as msg
+from splitserve.services.embedding_inbox import EmbeddingInbox
+from splitserve.services.image_waits import ImageWaits, split_embeddings
 from splitserve.services.workers import EngineWorker, wire_position
 
 QUEUE_POLL_S = 0.1
+PENDING_POLL_MS = 2
 
 
 @dataclass(frozen=True)
@@ -46,27 +53,66 @@ class PrefillWorker(EngineWorker):
         )
         self._routes: dict[str, _Route] = {}
         self._outboxes: dict[str, queue.Queue[Prefilled]] = {}
+        self._embeddings_socket = self._ctx.socket(zmq.PULL)
+        port = self._embeddings_socket.bind_to_random_port(f"tcp://{self.bind_host}")
+        self.kv_addr = f"tcp://{self.bind_host}:{port}"
+        self._poller.register(self._embeddings_socket, zmq.POLLIN)
+        self.inbox = EmbeddingInbox(self.worker_id, self.transport, self._stop)
+        self._awaiting = ImageWaits(float(self.transfer.get("timeout_s", 30.0)))
 
     def _handle(self, message: msg.Message) -> None:
         if isinstance(message, msg.Prefill):
-            try:
-                self.engine.add_request(
-                    message.request_id,
-                    message.prompt_token_ids,
-                    message.params,
-                    prefill_only=True,
-                    traffic_class=message.traffic_class,
-                )
-            except ValueError as exc:
-                self._errors.append(msg.RequestError(message.request_id, str(exc)))
-                return
-            self._routes[message.request_id] = _Route(message.decode_worker, message.decode_kv_addr)
+            if message.images:
+                self._awaiting.add_prefill(message)
+            else:
+                self._start(message, [])
+        elif isinstance(message, msg.EmbeddingsHeader):
+            self.inbox.on_header(message)
         elif isinstance(message, msg.AbortRequest):
             for request_id in message.request_ids:
                 self._routes.pop(request_id, None)
+                self._awaiting.discard(request_id)
             self._abort(message.request_ids)
 
+    def _start(self, message: msg.Prefill, images: list[ImageInput]) -> None:
+        try:
+            self.engine.add_request(
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                prefill_only=True,
+                traffic_class=message.traffic_class,
+                images=images,
+            )
+        except ValueError as exc:
+            self._errors.append(msg.RequestError(message.request_id, str(exc)))
+            return
+        self._routes[message.request_id] = _Route(message.decode_worker, message.decode_kv_addr)
+
+    def _start_with_images(self) -> None:
+        """Prompts whose image embeddings arrived start; failed or late ones are reported."""
+        for arrived in self.inbox.collect():
+            if arrived.error is not None:
+                self._awaiting.discard(arrived.request_id)
+                self._errors.append(msg.RequestError(arrived.request_id, arrived.error, 503))
+            elif arrived.embeddings is not None:
+                self._awaiting.add_embeddings(arrived.request_id, arrived.embeddings)
+        for message, embeddings in self._awaiting.ready():
+            try:
+                images = split_embeddings(message.images, embeddings)
+            except ValueError as exc:
+                self._errors.append(msg.RequestError(message.request_id, str(exc)))
+                continue
+            self._start(message, images)
+        for request_id in self._awaiting.expired():
+            error = "the image embeddings did not arrive in time"
+            self._errors.append(msg.RequestError(request_id, error, 503))
+
+    def _poll_ms(self) -> int:
+        return PENDING_POLL_MS if self._awaiting else super()._poll_ms()
+
     def _tick(self) -> None:
+        self._start_with_images()
         for output in self._step():
             if output.finished and output.outputs[0].finish_reason == "prefilled":
                 prefilled = self.engine.handoff.pop_prefilled(output.request_id)

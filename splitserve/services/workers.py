@@ -274,6 +274,10 @@ def worker_class(role: str) -> type[EngineWorker]:
         from splitserve.services.decode_worker import DecodeWorker
 
         return DecodeWorker
+    if role == "vision":
+        from splitserve.services.vision_worker import VisionWorker
+
+        return VisionWorker  # type: ignore[return-value]
     raise ValueError(f"worker role {role!r} is not supported")
 
 
