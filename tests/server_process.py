@@ -69,9 +69,10 @@ def worker_pids(server: ServerProcess) -> dict[str, int]:
 
 
 @contextmanager
-def serve(*overrides: str) -> Iterator[ServerProcess]:
-    """Run `splitserve serve --set ...` until the block ends, then SIGTERM it (exit code 0)."""
-    server = _start_ready(overrides)
+def serve(*overrides: str, config: str | None = None) -> Iterator[ServerProcess]:
+    """Run `splitserve serve [--config FILE] --set ...` until the block ends, then SIGTERM it
+    (exit code 0)."""
+    server = _start_ready(overrides, config)
     try:
         yield server
     finally:
@@ -81,10 +82,12 @@ def serve(*overrides: str) -> Iterator[ServerProcess]:
     assert code == 0, f"exit code {code}: {server.lines[-10:]}"
 
 
-def _start_ready(overrides: tuple[str, ...], attempts: int = 3) -> ServerProcess:
+def _start_ready(
+    overrides: tuple[str, ...], config: str | None = None, attempts: int = 3
+) -> ServerProcess:
     """Start the server on a free port; a port taken between probe and bind is retried."""
     for attempt in range(attempts):
-        server = _start(free_port(), overrides)
+        server = _start(free_port(), overrides, config)
         try:
             _wait_ready(server)
             return server
@@ -96,8 +99,10 @@ def _start_ready(overrides: tuple[str, ...], attempts: int = 3) -> ServerProcess
     raise AssertionError("unreachable")
 
 
-def _start(port: int, overrides: tuple[str, ...]) -> ServerProcess:
+def _start(port: int, overrides: tuple[str, ...], config: str | None = None) -> ServerProcess:
     command = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
+    if config is not None:
+        command += ["--config", config]
     for item in overrides:
         command += ["--set", item]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -130,11 +135,12 @@ def _drain(server: ServerProcess, timeout: float = 30.0) -> None:
 
 def _wait_ready(server: ServerProcess) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    expected = f"splitserve ready: {server.url} (model smollm2-135m-instruct)\n"
+    expected = f"splitserve ready: {server.url} (model "
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError("server exited:\n" + "".join(server.lines[-30:]))
-        if expected in server.lines and httpx.get(f"{server.url}/health").status_code == 200:
+        ready = any(line.startswith(expected) for line in server.lines)
+        if ready and httpx.get(f"{server.url}/health").status_code == 200:
             return
         time.sleep(0.2)
     raise TimeoutError("server not ready:\n" + "".join(server.lines[-30:]))

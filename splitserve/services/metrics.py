@@ -3,7 +3,8 @@
 Each server owns a private registry (so that tests can build several apps in one process).
 Every series carries ``model_name`` and the ``pool`` / ``worker`` it belongs to, so that one
 scrape of the API server's /metrics sees the whole deployment. Worker-side numbers (running,
-waiting, KV blocks, transfers, prefix cache) arrive as WorkerStats messages; request-side
+waiting, KV blocks, transfers, prefix cache; a vision worker's images encoded, encoder cache
+hits and encode times) arrive as WorkerStats messages; request-side
 numbers are measured by the API server and labelled with the worker that did the work:
 the prompt's (TTFT, queue and prefill time, prompt tokens) or the answer's (the rest).
 Series of the API server itself (admission, refusals before routing) use pool="api".
@@ -116,6 +117,13 @@ class Metrics:
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Duration of one request's KV transfer", _TRANSFER_BUCKETS
         )
+        self.images_encoded = counter("images_encoded", "Images a vision worker ran its encoder on")
+        self.encoder_cache_hits = counter(
+            "encoder_cache_hits", "Images a vision worker took from its encoder cache"
+        )
+        self.image_encode_seconds = histogram(
+            "image_encode_seconds", "Duration of one vision encoder run", _TRANSFER_BUCKETS
+        )
 
     def labels(self, pool: str, worker: str) -> tuple[str, str, str]:
         return (self.model_name, pool, worker)
@@ -143,6 +151,19 @@ class Metrics:
         self.prefix_cache_hits.labels(*key, DEVICE_TIER).inc(max(cached - host - disk, 0))
         self.prefix_cache_hits.labels(*key, "host").inc(host)
         self.prefix_cache_hits.labels(*key, "disk").inc(disk)
+
+    def observe_vision_stats(
+        self, pool: str, stats: WorkerStats, previous: WorkerStats | None
+    ) -> None:
+        """A vision worker's counters grow by the change since ``previous``."""
+        key = self.labels(pool, stats.worker_id)
+        before = previous or WorkerStats(stats.worker_id, 0, 0, 0, 0, 0.0, 0, 0)
+        self.num_requests_waiting.labels(*key).set(stats.num_running)
+        self.images_encoded.labels(*key).inc(max(stats.images_encoded - before.images_encoded, 0))
+        hits = max(stats.encoder_cache_hits - before.encoder_cache_hits, 0)
+        self.encoder_cache_hits.labels(*key).inc(hits)
+        for seconds in stats.encode_seconds:
+            self.image_encode_seconds.labels(*key).observe(seconds)
 
     def forget_worker(self, pool: str, worker: str) -> None:
         """Drop a removed worker's gauges, so that they do not show its last values forever."""

@@ -15,6 +15,7 @@ from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.client import EngineRequestError, RequestGroup
 from splitserve.services.api.protocol import ChatCompletionRequest, ChatMessage
+from splitserve.services.api.vision_prompt import check_images, with_images
 from splitserve.services.messages import TokenLogprob
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
@@ -22,7 +23,7 @@ router = APIRouter(dependencies=[Depends(check_api_key)])
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     """Apply the model's chat template and tokenize, exactly as ``LLM.chat`` does."""
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [{"role": m.role, "content": m.template_content()} for m in messages]
     ids = tokenizer.apply_chat_template(
         conversation, add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -34,9 +35,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = sv.get_state(request)
     sv.check_model(state, body.model)
     sv.check_n(state, body.n)
+    urls = [url for m in body.messages for url in m.image_urls()]
+    images = await check_images(state, urls)
     prompt = await asyncio.to_thread(render_chat, state.tokenizer, body.messages)
+    prompt_images = None
+    if images:
+        prompt, prompt_images = with_images(state, prompt, images)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs)
-    group = sv.submit(state, [prompt], [params], body.n, sv.traffic_class(state, request))
+    traffic = sv.traffic_class(state, request)
+    group = sv.submit(state, [prompt], [params], body.n, traffic, prompt_images)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         stream = _stream(state, body, group, response_id, len(prompt))

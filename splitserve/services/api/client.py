@@ -26,7 +26,9 @@ from splitserve.engine.request import SamplingParams
 from splitserve.router.policy import Candidate, RequestInfo
 from splitserve.router.prefix_lookup import PrefixLookup
 from splitserve.router.router import Router
+from splitserve.router.vision import VisionRouter
 from splitserve.services import messages as msg
+from splitserve.services.api.images import PromptImages
 from splitserve.services.metrics import API_POOL, Metrics
 
 HEARTBEAT_TIMEOUT_S = 15.0
@@ -77,6 +79,8 @@ class _Tracked:
     num_tokens: int = 0
     prefill_tokens: int = 0
     """The router's estimate of the prompt tokens its prompt worker must compute."""
+    vision: int | None = None
+    """The vision worker encoding its images, until its prompt is done."""
 
     @property
     def prompt_worker(self) -> int:
@@ -151,7 +155,11 @@ class WorkerClient:
         self._async_ctx = zmq.asyncio.Context()
         self._workers = [_Worker(e, self._push_socket(e.request_addr)) for e in endpoints]
         self._prefill = [i for i, w in enumerate(self._workers) if w.endpoint.role == "prefill"]
-        self._decode = [i for i, w in enumerate(self._workers) if w.endpoint.role != "prefill"]
+        self._decode = [
+            i for i, w in enumerate(self._workers) if w.endpoint.role in ("decode", "both")
+        ]
+        self._vision = [i for i, w in enumerate(self._workers) if w.endpoint.role == "vision"]
+        self.vision_router = VisionRouter()
         self._pull = self._async_ctx.socket(zmq.PULL)
         for endpoint in endpoints:
             self._pull.connect(endpoint.output_addr)
@@ -208,7 +216,7 @@ class WorkerClient:
         worker = _Worker(endpoint, self._push_socket(endpoint.request_addr))
         self._workers.append(worker)
         index = len(self._workers) - 1
-        (self._prefill if endpoint.role == "prefill" else self._decode).append(index)
+        self._role_indices(endpoint.role).append(index)
         self._pull.connect(endpoint.output_addr)
         self._count_workers()
 
@@ -223,13 +231,16 @@ class WorkerClient:
             await asyncio.sleep(DRAIN_POLL_S)
         worker.removed = True
         worker.draining = False
-        for indices in (self._prefill, self._decode):
+        for indices in (self._prefill, self._decode, self._vision):
             if index in indices:
                 indices.remove(index)
         worker.socket.close(linger=0)
         self._pull.disconnect(worker.endpoint.output_addr)
         self.metrics.forget_worker(worker.pool, worker_id)
         self._count_workers()
+
+    def _role_indices(self, role: str) -> list[int]:
+        return {"prefill": self._prefill, "vision": self._vision}.get(role, self._decode)
 
     def _find(self, worker_id: str) -> tuple[int, _Worker]:
         for i, w in enumerate(self._workers):
@@ -239,7 +250,11 @@ class WorkerClient:
 
     @staticmethod
     def _waits_on(tracked: _Tracked, index: int) -> bool:
-        return tracked.worker == index or (tracked.prefill == index and not tracked.first_token)
+        return (
+            tracked.worker == index
+            or tracked.vision == index
+            or (tracked.prefill == index and not tracked.first_token)
+        )
 
     def _count_workers(self) -> None:
         now = time.monotonic()
@@ -258,15 +273,18 @@ class WorkerClient:
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         traffic_class: str | None = None,
+        images: PromptImages | None = None,
     ) -> RequestGroup:
         """Admit engine requests as one group (one API request); QueueFullError if over bound.
 
-        traffic_class: the retention class of the blocks its prompts leave in block stores."""
+        traffic_class: the retention class of the blocks its prompts leave in block stores.
+        images: the images of the prompt (every request of the group has the same prompt);
+        a vision worker encodes them for each request's prefill worker."""
         if len(self._tracked) + len(requests) > self.max_queue:
             raise QueueFullError(f"the server is at its admission bound of {self.max_queue}")
         group = RequestGroup(self, [request_id for request_id, _, _ in requests])
         for index, (request_id, prompt_ids, params) in enumerate(requests):
-            self._admit(group, index, request_id, prompt_ids, params, traffic_class)
+            self._admit(group, index, request_id, prompt_ids, params, traffic_class, images)
         return group
 
     def _admit(
@@ -277,6 +295,7 @@ class WorkerClient:
         prompt_ids: list[int],
         params: SamplingParams,
         traffic_class: str | None = None,
+        images: PromptImages | None = None,
     ) -> None:
         now = time.monotonic()
         timeout = self.heartbeat_timeout_s
@@ -307,10 +326,27 @@ class WorkerClient:
         self._workers[tracked.prefill].prefill_tokens += tracked.prefill_tokens
         d = self._workers[decode].endpoint
         prefill_id = self._workers[tracked.prefill].endpoint.worker_id
+        spans = images.spans if images is not None else []
         tracked.pending_prefill = msg.Prefill(
-            request_id, prompt_ids, params, d.worker_id, d.kv_addr, traffic_class
+            request_id, prompt_ids, params, d.worker_id, d.kv_addr, traffic_class, spans
         )
-        self._send(decode, msg.Reserve(request_id, prompt_ids, params, prefill_id))
+        if images is not None:
+            self._encode(tracked, request_id, images)
+        self._send(decode, msg.Reserve(request_id, prompt_ids, params, prefill_id, spans))
+
+    def _encode(self, tracked: _Tracked, request_id: str, images: PromptImages) -> None:
+        """Send the images to a vision worker, which sends the embeddings to the prefill
+        worker while the decode worker reserves blocks."""
+        now, timeout = time.monotonic(), self.heartbeat_timeout_s
+        visions = [i for i in self._vision if self._workers[i].routable]
+        candidates = [self._workers[i].candidate(now, timeout) for i in visions]
+        hashes = [image.image_hash for image in images.data]
+        tracked.vision = visions[self.vision_router.choose(candidates, hashes)]
+        self._workers[tracked.vision].inflight += 1
+        assert tracked.prefill is not None
+        prefill = self._workers[tracked.prefill].endpoint
+        message = msg.EncodeImages(request_id, images.data, prefill.worker_id, prefill.kv_addr)
+        self._send(tracked.vision, message)
 
     def _cached(self, prompt_ids: list[int]) -> dict[str, int]:
         if self.prefix is None or self.router.prefill_policy.name != "cache_aware":
@@ -330,11 +366,15 @@ class WorkerClient:
         if tracked.prefill is not None:
             self._workers[tracked.prefill].prefill_tokens -= tracked.prefill_tokens
         tracked.prefill_tokens = 0
+        if tracked.vision is not None:
+            self._workers[tracked.vision].inflight -= 1
+            tracked.vision = None
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests that have not finished; their workers free the KV blocks."""
         by_worker: dict[int, list[str]] = {}
         for request_id in request_ids:
+            vision = self._tracked[request_id].vision if request_id in self._tracked else None
             tracked = self._untrack(request_id)
             if tracked is None:
                 continue
@@ -342,6 +382,8 @@ class WorkerClient:
             by_worker.setdefault(tracked.worker, []).append(request_id)
             if tracked.prefill is not None and tracked.pending_prefill is None:
                 by_worker.setdefault(tracked.prefill, []).append(request_id)
+            if vision is not None:
+                by_worker.setdefault(vision, []).append(request_id)
         for worker, ids in by_worker.items():
             self._send(worker, msg.AbortRequest(ids))
 
@@ -403,7 +445,10 @@ class WorkerClient:
             _, worker = self._find(stats.worker_id)
         except KeyError:
             return
-        self.metrics.observe_stats(worker.pool, stats, worker.last_stats)
+        if worker.endpoint.role == "vision":
+            self.metrics.observe_vision_stats(worker.pool, stats, worker.last_stats)
+        else:
+            self.metrics.observe_stats(worker.pool, stats, worker.last_stats)
         worker.last_stats = stats
         worker.last_seen = time.monotonic()
         worker.blocks_since_stats = 0

@@ -19,15 +19,46 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(BaseModel):
+    """An image, as a data: URL (PNG, JPEG, WebP) or an http(s) URL of an allowed host."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        if isinstance(self.content, str):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImageURLPart)]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """What the chat template gets: the text, or the parts when there are images (each
+        image a {"type": "image"} part that the template renders as the image token)."""
+        if not self.image_urls():
+            return self.text()
+        return [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in self.content
+            if not isinstance(p, str)
+        ]
 
 
 class StreamOptions(BaseModel):

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from splitserve.config import DeployConfig
 from splitserve.engine.request import SamplingParams
+from splitserve.engine.vision_config import VisionConfig
 from splitserve.services.api.client import (
     EngineRequestError,
     QueueFullError,
@@ -20,6 +21,7 @@ from splitserve.services.api.client import (
     WorkerClient,
 )
 from splitserve.services.api.errors import APIError, error_body
+from splitserve.services.api.images import PromptImages
 from splitserve.services.api.protocol import SamplingFields
 from splitserve.services.messages import TokenDelta, TokenLogprob
 from splitserve.services.metrics import API_POOL, Metrics
@@ -35,6 +37,8 @@ class ServerState:
     client: WorkerClient
     metrics: Metrics
     max_model_len: int
+    vision: VisionConfig | None = None
+    """The model's image side (None: a text-only model)."""
 
     @property
     def model_name(self) -> str:
@@ -125,6 +129,7 @@ def submit(
     params: Sequence[SamplingParams],
     n: int,
     traffic: str | None = None,
+    images: PromptImages | None = None,
 ) -> RequestGroup:
     """Fan out prompts x n choices (choice index = prompt * n + i; seed + i per choice)."""
     base = uuid.uuid4().hex
@@ -135,7 +140,7 @@ def submit(
             choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
             requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
     try:
-        return state.client.submit(requests, traffic)
+        return state.client.submit(requests, traffic, images)
     except QueueFullError as exc:
         api = state.metrics.labels(API_POOL, "api")
         state.metrics.request_failure.labels(*api, "queue_full").inc()
