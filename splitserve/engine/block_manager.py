@@ -113,6 +113,8 @@ class BlockManager:
         if full <= req.num_committed_blocks:
             return
         hashes = self._block_hashes(req)
+        # With overlapped steps a computed position's token may still be on the device.
+        full = min(full, len(hashes))
         for index in range(req.num_committed_blocks, full):
             block = self.blocks[req.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached:

@@ -28,6 +28,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     cuda_graph_max_batch: int = 64
+    overlap_scheduling: bool | None = None
+    """Prepare decode step N+1 while the device runs step N (engine/overlap.py); None: on
+    CUDA only, where the host's work can hide behind the device's."""
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from splitserve.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.overlap import InflightStep
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -48,10 +49,14 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def run(
+        self, batch: ScheduledBatch, prev: InflightStep | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """prev: the step still in flight whose sampled tokens are this step's inputs
+        wherever the host does not know them yet (overlapped scheduling)."""
         count = len(batch.requests)
         size = next(b for b in self.buckets if b >= count)
-        self._fill(batch, size)
+        self._fill(batch, size, prev)
         if size in self.graphs:
             self.graphs[size].replay()
             logits = self.logits[size]
@@ -59,13 +64,22 @@ class DecodeGraphs:
             logits = self._forward(size)
         return logits[:count], list(range(count))
 
-    def _fill(self, batch: ScheduledBatch, size: int) -> None:
+    def _fill(self, batch: ScheduledBatch, size: int, prev: InflightStep | None) -> None:
+        """One host-to-device copy of the padded inputs, then device-side scatters into the
+        static buffers; the input tokens that are still on the device come from prev."""
         bs, scratch = self.runner.block_size, self.runner.scratch_block
         width = self.tables.shape[1]
         ids, pos, slots, lens, tables = [], [], [], [], []
-        for req in batch.requests:
+        rows, prev_rows = [], []
+        prev_row = prev.row_of() if prev is not None else {}
+        for row, req in enumerate(batch.requests):
             p = req.num_computed_tokens
-            ids.append(req.all_token_ids[p])
+            if req.num_pending:
+                ids.append(0)
+                rows.append(row)
+                prev_rows.append(prev_row[id(req)])
+            else:
+                ids.append(req.all_token_ids[p])
             pos.append(p)
             slots.append(req.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
@@ -76,14 +90,22 @@ class DecodeGraphs:
         slots += [scratch * bs] * padding
         lens += [1] * padding
         tables += [[scratch] * width] * padding
-        for static, values in (
-            (self.input_ids, ids),
-            (self.positions, pos),
-            (self.slots, slots),
-            (self.lens, lens),
-            (self.tables, tables),
-        ):
-            static[:size].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        flat = [*ids, *pos, *slots, *lens, *(i for t in tables for i in t), *rows, *prev_rows]
+        staged = torch.tensor(flat, dtype=torch.long)
+        device = self.input_ids.device
+        if device.type == "cuda":
+            # Pinned, so that the copy does not wait for the step in flight to finish.
+            staged = staged.pin_memory()
+        packed = staged.to(device, non_blocking=True)
+        parts = packed.split([size, size, size, size, size * width, len(rows), len(rows)])
+        self.input_ids[:size].copy_(parts[0])
+        self.positions[:size].copy_(parts[1])
+        self.slots[:size].copy_(parts[2])
+        self.lens[:size].copy_(parts[3])
+        self.tables[:size].copy_(parts[4].view(size, width))
+        if rows:
+            assert prev is not None
+            self.input_ids[parts[5]] = prev.tokens[parts[6]]
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(

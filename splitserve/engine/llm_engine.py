@@ -20,6 +20,7 @@ from splitserve.engine.loader import (
 )
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.multimodal import ImageInput, check_images
+from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batch
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import Sampler, SampleResult
@@ -84,6 +85,10 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
+        self._inflight: InflightStep | None = None
+        self.num_overlapped_steps = 0
+        overlapped = self.runner.overlapped
+        self._overlap_batch = overlapped.max_batch if overlapped is not None else 0
 
     def add_request(
         self,
@@ -157,12 +162,29 @@ class LLMEngine:
             self.scheduler.finish(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the outputs of the requests that got a token.
+
+        With overlapped scheduling (engine/overlap.py) a decode step is launched and the
+        outputs returned are those of the step launched before it.
+        """
+        inflight, max_batch = self._inflight, self._overlap_batch
+        if inflight is not None and not can_continue(self.scheduler, inflight, max_batch):
+            self._inflight = None
+            return self._read(inflight)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        if max_batch and is_decode_batch(batch, max_batch):
+            self._inflight = self.runner.launch_decode(batch, inflight)
+            self.num_overlapped_steps += 1
+            for req in batch.requests:
+                req.num_computed_tokens += 1
+                req.num_pending += 1
+            return self._read(inflight) if inflight is not None else []
+        assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)
         results = self.sampler(logits, [batch.requests[i] for i in sampled])
         self._advance(batch)
@@ -178,6 +200,19 @@ class LLMEngine:
             outputs.append(self._output(req))
         return outputs
 
+    def _read(self, step: InflightStep) -> list[RequestOutput]:
+        """The outputs of an overlapped step, once its tokens have reached the host."""
+        outputs = []
+        for req, token in zip(step.batch.requests, step.token_ids()):
+            if req.is_finished or self.requests.get(req.request_id) is not req:
+                continue  # it finished in the step before, or was aborted: drop the token
+            req.num_pending -= 1
+            self._append(req, SampleResult(token), commit=True)
+            outputs.append(self._output(req))
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+        return outputs
+
     def _advance(self, batch: ScheduledBatch) -> None:
         for req, num_new in zip(batch.requests, batch.num_new_tokens):
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -187,9 +222,14 @@ class LLMEngine:
             req.num_computed_tokens += num_new
             self.block_manager.commit(req)
 
-    def _append(self, req: Request, result: SampleResult) -> None:
+    def _append(self, req: Request, result: SampleResult, commit: bool = False) -> None:
+        """Append a sampled token and check the stop conditions. commit: publish the blocks
+        this token completes (an overlapped step computed their KV before the token was known
+        here)."""
         token, params = result.token_id, req.params
         req.output_token_ids.append(token)
+        if commit:
+            self.block_manager.commit(req)
         self.generation_tokens += 1
         if result.logprobs is not None and result.logprob is not None:
             for token_id, entry in result.logprobs.items():
@@ -205,7 +245,10 @@ class LLMEngine:
             req.finish("stop", token)
         elif stop_string is not None:
             req.finish("stop", stop_string)
-        elif req.num_output_tokens == params.max_tokens or req.num_tokens >= self.max_model_len:
+        elif (
+            req.num_output_tokens == params.max_tokens
+            or req.num_prompt_tokens + req.num_output_tokens >= self.max_model_len
+        ):
             req.finish("length")
         if req.is_finished:
             if stop_string is None:

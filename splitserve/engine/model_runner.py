@@ -11,6 +11,7 @@ from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.multimodal import step_embeddings, touches_images
+from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledBatch
 
@@ -45,6 +46,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self, min(config.cuda_graph_max_batch, config.max_num_seqs), capture=True
             )
+        overlap = config.overlap_scheduling
+        if overlap is None:
+            overlap = self.device.type == "cuda"
+        self.overlapped: DecodeGraphs | None = None
+        """Where overlapped decode steps run: the graphs, or the same inputs run eagerly."""
+        if overlap:
+            self.overlapped = self.graphs or DecodeGraphs(self, config.max_num_seqs, False)
 
     def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -106,6 +114,14 @@ class ModelRunner:
         image_embeds = step_embeddings(image_segments, self.device)
         hidden = self.model(input_ids, positions, meta, image_embeds)
         return self.model.compute_logits(hidden[sample_rows]), sampled
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: ScheduledBatch, prev: InflightStep | None) -> InflightStep:
+        """Start a decode step of plain greedy requests without waiting for it: the argmax
+        stays on the device (inputs for the next step) and its copy to the host is queued."""
+        assert self.overlapped is not None
+        logits, _ = self.overlapped.run(batch, prev)
+        return InflightStep.start(batch, logits.argmax(dim=-1))
 
     def _prepare(
         self, batch: ScheduledBatch, image_segments: list[tuple[int, Request, int, int]]

@@ -131,6 +131,8 @@ class Request:
         self.cumulative_logprob = 0.0
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0
+        """Tokens sampled on the device that the host has not read yet (engine/overlap.py)."""
         self.num_cached_tokens = 0
         self.admitted = False
         self.prefill_only = False
@@ -148,15 +150,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        """Prompt then output tokens; one list extended in place (outputs only ever grow)."""
-        missing = self.num_tokens - len(self._all_token_ids)
+        """Prompt then output tokens the host knows (not the pending ones); one list extended
+        in place (outputs only ever grow)."""
+        missing = len(self.prompt_token_ids) + len(self.output_token_ids) - len(self._all_token_ids)
         if missing:
             self._all_token_ids.extend(self.output_token_ids[-missing:])
         return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """The sequence's length as the scheduler sees it, pending tokens included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
