@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="torch")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="synchronous decode steps (the baseline)"
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
@@ -60,6 +63,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=max(args.prefill_len, 2048),
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=0 if args.no_cuda_graphs else max(batch_sizes),
+        overlap_scheduling=False if args.no_overlap else None,
     )
     runner = llm.engine.runner
     ceilings = measure_ceilings(runner.device, runner.dtype)

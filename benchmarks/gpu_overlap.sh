@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Overlapped decode scheduling on one GPU, beside synchronous steps in the same run: the GPU
+# correctness check (overlap is on by default on CUDA, so it runs through it), then decode
+# throughput of the SmolLM2-135M and Llama-3-8B shapes (Triton attention, CUDA graphs) with
+# and without --no-overlap. Results go to $OUT (default benchmarks/results).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export SPLITSERVE_GIT_COMMIT=${SPLITSERVE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-benchmarks/results}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+status=0
+step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
+bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline \
+    --attention-backend triton "$@"; }
+
+step "$PY" benchmarks/gpu_check.py
+for mode in overlap sync; do
+    flag=(); [ "$mode" = sync ] && flag=(--no-overlap)
+    bench "${flag[@]}" --shape smollm2-135m --batch-sizes 1,32 --input-len 128 \
+        --output-len 256 --result-file "$OUT/h200-overlap-smollm2-135m-$mode.json"
+    bench "${flag[@]}" --shape llama3-8b --batch-sizes 1,64 --input-len 1024 --output-len 64 \
+        --result-file "$OUT/h200-overlap-llama3-8b-$mode.json"
+done
+"$PY" benchmarks/summarize.py "$OUT"/h200-overlap-*.json
+exit $status
