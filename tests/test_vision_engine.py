@@ -110,3 +110,41 @@ def test_block_hashes_cover_image_content() -> None:
     assert all(x != y for x, y in zip(with_a, with_b))
     before = block_hashes([7] * 8, 8, images=[ImageSpan("a" * 32, 8, 16)])
     assert before == block_hashes([7] * 8, 8)
+
+
+def test_decode_engine_recomputes_an_adopted_image_prompt_after_preemption(
+    vlm_path: str,
+) -> None:
+    """The handoff carries the image embeddings with the KV, so a decode engine that must
+    recompute the prompt (preempted, no prefix cache) still continues it exactly."""
+    from splitserve.engine.chat_images import split_images
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.multimodal import ImageInput
+
+    llm = LLM(model=vlm_path, block_size=8)
+    messages = image_chat(data_url(encoded(picture(6))))
+    expected = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    rendered, pictures = split_images(messages)
+    prompt, images = llm._with_images(llm.apply_chat_template(rendered), pictures)
+    prefill = LLMEngine(EngineConfig(model=vlm_path, block_size=8), tokenizer=llm.tokenizer)
+    prefill.add_request("r", prompt, GREEDY, prefill_only=True, images=images)
+    while not prefill.step():
+        pass
+    handed = prefill.handoff.pop_prefilled("r")
+    assert handed.image_embeddings is not None
+    decode = LLMEngine(
+        EngineConfig(model=vlm_path, block_size=8, enable_prefix_caching=False),
+        tokenizer=llm.tokenizer,
+    )
+    spans = [ImageInput(image.span) for image in images]
+    assert decode.handoff.reserve("r", prompt, GREEDY, spans)
+    decode.handoff.adopt("r", handed.kv, handed.first_token, None, handed.image_embeddings)
+    decode.step()
+    req = decode.scheduler.running.pop()
+    decode.scheduler._preempt(req)
+    outputs = []
+    while decode.has_unfinished_requests():
+        outputs += decode.step()
+    assert decode.scheduler.num_preemptions == 1
+    assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids

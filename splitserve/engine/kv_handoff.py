@@ -29,6 +29,9 @@ class Prefilled:
     first_token: int
     logprobs: dict[int, Logprob] | None
     num_cached_tokens: int
+    image_embeddings: torch.Tensor | None = None
+    """All images' embeddings in prompt order (None without images): the decode worker
+    keeps them, so that it can recompute the prompt if it ever has to preempt it."""
 
 
 class KVHandoff:
@@ -50,6 +53,7 @@ class KVHandoff:
             result.token_id,
             result.logprobs,
             req.num_cached_tokens,
+            _joined_embeddings(req.images),
         )
         req.output_token_ids.append(result.token_id)
         req.finish("prefilled")
@@ -90,10 +94,17 @@ class KVHandoff:
         kv: torch.Tensor,
         first_token: int,
         logprobs: dict[int, Logprob] | None = None,
+        image_embeddings: torch.Tensor | None = None,
     ) -> RequestOutput:
-        """Write the received KV into the reserved blocks and continue decoding here."""
+        """Write the received KV into the reserved blocks and continue decoding here.
+
+        image_embeddings: the prompt's images' embeddings (Prefilled.image_embeddings)."""
         engine = self.engine
         req = self.reserved.pop(request_id)
+        lengths = [image.span.length for image in req.images]
+        if image_embeddings is not None and image_embeddings.shape[0] == sum(lengths):
+            for image, part in zip(req.images, image_embeddings.split(lengths)):
+                image.embeddings = part
         num_blocks = kv.shape[2]
         engine.runner.scatter_blocks(req.block_table[:num_blocks], kv)
         req.num_computed_tokens = req.num_prompt_tokens
@@ -116,3 +127,9 @@ class KVHandoff:
             self.engine.block_manager.free(req)
             self.engine.block_manager.forget(request_id)
         self.prefilled.pop(request_id, None)
+
+
+def _joined_embeddings(images: list[ImageInput]) -> torch.Tensor | None:
+    if not images or any(image.embeddings is None for image in images):
+        return None
+    return torch.cat([image.embeddings for image in images]).contiguous()  # type: ignore[misc]

@@ -38,6 +38,7 @@ class _Received:
     buffer: torch.Tensor
     error: str | None
     seconds: float
+    embeddings: torch.Tensor | None = None
 
 
 class DecodeWorker(EngineWorker):
@@ -132,12 +133,27 @@ class DecodeWorker(EngineWorker):
                 continue
             start = time.monotonic()
             error = None
+            embeddings = None
             try:
                 self.transport.recv(peer, header.generation, buffer)
+                if header.embeddings_shape is not None:
+                    embeddings = self._receive_embeddings(peer, header, buffer.dtype)
             except TransferError as exc:
                 self.transport.drop(peer, self.worker_id, header.generation)
                 error = f"KV transfer from {peer} failed: {exc}"
-            self._received.put(_Received(header, buffer, error, time.monotonic() - start))
+            seconds = time.monotonic() - start
+            self._received.put(_Received(header, buffer, error, seconds, embeddings))
+
+    def _receive_embeddings(
+        self, peer: str, header: msg.KvHeader, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An image prompt's embeddings follow its KV (kept for a recompute after preemption)."""
+        shape = header.embeddings_shape or []
+        if len(shape) != 2 or min(shape) < 1:
+            raise TransferError(f"malformed embeddings shape {shape}")
+        embeddings = torch.empty(shape, dtype=dtype, device=self.transport.device)
+        self.transport.recv(peer, header.generation, embeddings)
+        return embeddings
 
     def _tick(self) -> None:
         self._reserve_waiting()
@@ -160,7 +176,7 @@ class DecodeWorker(EngineWorker):
             self._transfer_seconds.put(item.seconds)
             logprobs = None if header.logprobs is None else engine_position(header.logprobs)
             output = self.engine.handoff.adopt(
-                header.request_id, item.buffer, header.first_token, logprobs
+                header.request_id, item.buffer, header.first_token, logprobs, item.embeddings
             )
             self._sent[header.request_id] = (0, 0)
             outputs.append(output)

@@ -108,6 +108,8 @@ class KvHeader:
     logprobs: list[TokenLogprob] | None
     shape: list[int]
     dtype: str
+    embeddings_shape: list[int] | None = None
+    """Image prompts: the shape of the images' embeddings, sent (same dtype) after the KV."""
 
 
 @dataclass(frozen=True)

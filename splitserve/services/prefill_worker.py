@@ -159,6 +159,7 @@ class PrefillWorker(EngineWorker):
 
     def _header(self, prefilled: Prefilled, generation: int) -> msg.KvHeader:
         kv, first = prefilled.kv, prefilled.first_token
+        embeddings = prefilled.image_embeddings
         logprobs = None if prefilled.logprobs is None else wire_position(prefilled.logprobs, first)
         return msg.KvHeader(
             request_id=prefilled.request_id,
@@ -168,6 +169,7 @@ class PrefillWorker(EngineWorker):
             logprobs=logprobs,
             shape=list(kv.shape),
             dtype=str(kv.dtype).removeprefix("torch."),
+            embeddings_shape=None if embeddings is None else list(embeddings.shape),
         )
 
     def _send_kv(self, peer: str, generation: int, prefilled: Prefilled) -> bool:
@@ -178,6 +180,9 @@ class PrefillWorker(EngineWorker):
         start = time.monotonic()
         try:
             self.transport.send(peer, generation, prefilled.kv)
+            if prefilled.image_embeddings is not None:
+                embeddings = prefilled.image_embeddings.to(prefilled.kv.dtype)
+                self.transport.send(peer, generation, embeddings)
         except TransferError as exc:
             self.transport.drop(self.worker_id, peer, generation)
             error = f"KV transfer to {peer} failed: {exc}"
