@@ -6,6 +6,8 @@ cache, and every bad image gets a 400 while the next good request succeeds."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -197,3 +199,18 @@ def test_too_many_images_get_400_and_the_next_good_request_succeeds(
     assert isinstance(body, dict) and body["code"] == "too_many_images"
     assert _chat(client, vlm_path, image_chat(data_url(encoded(picture(301)))))
     assert httpx.get(f"{server.url}/health").json()["pools"]["vision"]["ready"] == 2
+
+
+def test_scale_vision_pool_down_drains_and_images_still_work(
+    server: ServerProcess, client: openai.OpenAI, vlm_path: str
+) -> None:
+    command = [sys.executable, "-m", "splitserve.cli", "scale", "--base-url", server.url]
+    out = subprocess.run(
+        [*command, "--vision", "1"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert 'vision (vision): 1 ["vision-0"]' in out
+    before = _settled(server, ENCODED)
+    assert _chat(client, vlm_path, image_chat(data_url(encoded(picture(400)))))
+    assert _wait_for(server, ENCODED, sum(before.values()) + 1) == sum(before.values()) + 1
+    assert worker_metric(server.url, ENCODED, "vision-0") == before["vision-0"] + 1
+    assert httpx.get(f"{server.url}/health").json()["pools"]["vision"]["replicas"] == 1

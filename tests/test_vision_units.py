@@ -1,17 +1,27 @@
 """The vision service's parts without processes: the encoder cache, the vision router, the
-messages that carry images, and a vision worker that meets an image it cannot decode."""
+messages that carry images, a vision worker that meets an image it cannot decode, and image
+URLs fetched only from allowed hosts."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 import torch
 
+from splitserve.config import ImagesConfig
+from splitserve.engine.image_inputs import ImageError
 from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.hashing import ImageSpan
 from splitserve.router.policy import Candidate
 from splitserve.router.vision import VisionRouter
 from splitserve.services import messages as msg
+from splitserve.services.api.images import fetch
 from splitserve.services.encoder_cache import EncoderCache
 from splitserve.services.vision_worker import VisionWorker
+from tests.vision import encoded, picture
 
 
 def test_encoder_cache_evicts_least_recently_used_by_bytes() -> None:
@@ -51,3 +61,44 @@ def test_vision_worker_answers_an_undecodable_image_with_a_400_and_keeps_going()
         worker._run(msg.EncodeImages("r", [msg.ImageData("h", data)], "prefill-0", "tcp://x"))
     assert [(e.request_id, e.status) for e in worker._errors] == [("r", 400)] * 3
     assert worker.images_encoded == 0 and not worker._outboxes
+
+
+def test_image_urls_are_fetched_only_from_allowed_hosts_without_redirects() -> None:
+    png = encoded(picture(0))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        allowed = ImagesConfig(allowed_hosts=("127.0.0.1",))
+        assert asyncio.run(fetch(f"{base}/cat.png", allowed)) == png
+        for url, limits, code in [
+            (f"{base}/cat.png", ImagesConfig(), "image_url_not_allowed"),
+            (f"{base}/moved.png", allowed, "image_fetch_failed"),
+            (
+                f"{base}/cat.png",
+                ImagesConfig(allowed_hosts=("127.0.0.1",), max_bytes=100),
+                "image_too_large",
+            ),
+            ("ftp://127.0.0.1/cat.png", allowed, "invalid_url"),
+        ]:
+            with pytest.raises(ImageError) as error:
+                asyncio.run(fetch(url, limits))
+            assert error.value.code == code
+    finally:
+        server.shutdown()

@@ -63,9 +63,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"splitserve: config error: {exc}", file=sys.stderr)
         return 2
-    if os.path.exists(config.model):
-        # Workers may start elsewhere than this directory: give them an absolute path.
-        config = dataclasses.replace(config, model=os.path.abspath(config.model))
     deployment = Deployment(config)
     previous = _interrupt_on_signals()
     try:
@@ -212,7 +209,7 @@ class Deployment:
             )
             .remote(
                 worker_id,
-                dataclasses.asdict(self.config.engine_config(name)),
+                dataclasses.asdict(_worker_engine_config(self.config, name)),
                 _bundle_host(self.config.server.internal_host, group),
                 pool.num_threads or os.cpu_count() or 1,
                 dataclasses.asdict(self.config.transfer),
@@ -252,6 +249,15 @@ class Deployment:
             ray.shutdown()
             self._owns_ray = False
         self._store = None
+
+
+def _worker_engine_config(config: DeployConfig, pool: str) -> Any:
+    """The pool's EngineConfig; a model path relative to this directory becomes absolute,
+    since workers may start in another one (the API keeps the configured name)."""
+    engine = config.engine_config(pool)
+    if os.path.exists(engine.model):
+        engine = dataclasses.replace(engine, model=os.path.abspath(engine.model))
+    return engine
 
 
 def _driver_host(host: str) -> str:

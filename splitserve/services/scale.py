@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the API server")
     parser.add_argument("--prefill", type=int, default=None, help="prefill replicas")
     parser.add_argument("--decode", type=int, default=None, help="decode replicas")
+    parser.add_argument("--vision", type=int, default=None, help="vision replicas")
     parser.add_argument(
         "--pool",
         dest="pools",
@@ -60,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
 def _replicas(args: argparse.Namespace) -> dict[str, int]:
     replicas = {
         role: count
-        for role, count in (("prefill", args.prefill), ("decode", args.decode))
+        for role, count in (
+            ("prefill", args.prefill),
+            ("decode", args.decode),
+            ("vision", args.vision),
+        )
         if count is not None
     }
     for item in args.pools:
@@ -69,5 +74,5 @@ def _replicas(args: argparse.Namespace) -> dict[str, int]:
             raise ValueError(f"--pool {item!r} is not of the form NAME=N")
         replicas[name] = int(count)
     if not replicas:
-        raise ValueError("nothing to scale: give --prefill, --decode or --pool NAME=N")
+        raise ValueError("nothing to scale: give --prefill, --decode, --vision or --pool NAME=N")
     return replicas
