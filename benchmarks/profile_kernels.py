@@ -58,9 +58,9 @@ def profile_shape(shape: str, batch: int, context: int, steps: int) -> dict[str,
                 "us_per_call": total / max(event.count, 1),
             }
         )
-    rows.sort(key=lambda r: -float(r["us_per_step"]))  # type: ignore[arg-type]
-    total_us = sum(float(r["us_per_step"]) for r in rows)  # type: ignore[arg-type]
-    calls = sum(float(r["calls_per_step"]) for r in rows)  # type: ignore[arg-type]
+    rows.sort(key=lambda r: -float(r["us_per_step"]))
+    total_us = sum(float(r["us_per_step"]) for r in rows)
+    calls = sum(float(r["calls_per_step"]) for r in rows)
     print(
         f"\n{shape}, batch {batch}, context {context}: {total_us:.1f} us of kernels per step, "
         f"{calls:.0f} kernels per step"
