@@ -9,6 +9,7 @@ times a second. Only the loop thread touches the engine, which is not thread-saf
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -204,10 +205,14 @@ class EngineWorker:
         if deltas or self._errors:
             batch = msg.OutputBatch(deltas=deltas, errors=self._errors)
             self._errors = []
-            self._outputs.send(msg.encode(batch))
+            self._send(batch)
 
     def _send(self, message: msg.Message) -> None:
-        self._outputs.send(msg.encode(message))
+        """To the API server. The queue is unbounded, so this only fails when no API server
+        is connected (it stopped, or dropped this worker): then the message has nobody to go
+        to, and blocking here would hang the engine loop and its shutdown."""
+        with contextlib.suppress(zmq.Again):
+            self._outputs.send(msg.encode(message), zmq.NOBLOCK)
 
     def _delta(self, output: RequestOutput) -> msg.TokenDelta | None:
         if output.request_id not in self._sent:
