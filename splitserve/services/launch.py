@@ -294,8 +294,9 @@ async def _serve(deployment: Deployment) -> None:
     from splitserve.router.prefix_lookup import PrefixLookup
     from splitserve.router.router import Router
     from splitserve.services.api.app import build_app
-    from splitserve.services.api.client import WorkerClient, WorkerEndpoint
+    from splitserve.services.api.client import WorkerClient
     from splitserve.services.api.serving import ServerState
+    from splitserve.services.api.worker_view import WorkerEndpoint
     from splitserve.services.metrics import Metrics
     from splitserve.services.scaling import Scaler
 

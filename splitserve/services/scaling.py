@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from splitserve.config import DeployConfig
-from splitserve.services.api.client import WorkerClient, WorkerEndpoint
+from splitserve.services.api.client import WorkerClient
+from splitserve.services.api.worker_view import WorkerEndpoint
 
 READY_TIMEOUT_S = 120.0
 READY_POLL_S = 0.1

@@ -12,31 +12,26 @@ worker (reserve first, so that blocks exist before any compute is spent).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from splitserve.engine.request import SamplingParams
-from splitserve.router.policy import Candidate, RequestInfo
+from splitserve.router.policy import RequestInfo
 from splitserve.router.prefix_lookup import PrefixLookup
 from splitserve.router.router import Router
 from splitserve.router.vision import VisionRouter
 from splitserve.services import messages as msg
 from splitserve.services.api.images import PromptImages
+from splitserve.services.api.telemetry import RequestTelemetry
+from splitserve.services.api.worker_view import Tracked, WorkerEndpoint, WorkerState, with_rates
 from splitserve.services.metrics import API_POOL, Metrics
 
 HEARTBEAT_TIMEOUT_S = 15.0
-DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
-"""A prefill worker's assumed prompt throughput until its load reports measured one."""
 SWEEP_INTERVAL_S = 1.0
 DRAIN_POLL_S = 0.05
-request_log = logging.getLogger("splitserve.requests")
 
 
 class QueueFullError(Exception):
@@ -53,84 +48,6 @@ class EngineRequestError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True)
-class WorkerEndpoint:
-    worker_id: str
-    request_addr: str
-    output_addr: str
-    role: str = "both"
-    kv_addr: str = ""
-
-
-@dataclass
-class _Tracked:
-    group: RequestGroup
-    index: int
-    worker: int
-    start: float
-    prefill: int | None = None
-    pending_prefill: msg.Prefill | None = None
-    first_token: bool = False
-    sent: float = 0.0
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    num_tokens: int = 0
-    prefill_tokens: int = 0
-    """The router's estimate of the prompt tokens its prompt worker must compute."""
-    vision: int | None = None
-    """The vision worker encoding its images, until its prompt is done."""
-
-    @property
-    def prompt_worker(self) -> int:
-        """The worker that computes the prompt: the prefill worker, or the only one."""
-        return self.worker if self.prefill is None else self.prefill
-
-
-@dataclass
-class _Worker:
-    endpoint: WorkerEndpoint
-    socket: zmq.Socket
-    last_stats: msg.WorkerStats | None = None
-    last_seen: float = field(default=-1e9)
-    inflight: int = 0
-    blocks_since_stats: int = 0
-    draining: bool = False
-    removed: bool = False
-    prefill_tokens: int = 0
-    """Estimated prompt tokens of the requests sent here whose first token has not come."""
-
-    @property
-    def pool(self) -> str:
-        """Worker ids are `<pool>-<index>`."""
-        return self.endpoint.worker_id.rsplit("-", 1)[0]
-
-    @property
-    def routable(self) -> bool:
-        return not (self.draining or self.removed)
-
-    def state(self, now: float, timeout_s: float) -> str:
-        if self.draining:
-            return "draining"
-        if self.last_stats is None:
-            return "starting"
-        return "ready" if self.healthy(now, timeout_s) else "unhealthy"
-
-    def healthy(self, now: float, timeout_s: float) -> bool:
-        return now - self.last_seen < timeout_s
-
-    def candidate(self, now: float, timeout_s: float) -> Candidate:
-        stats = self.last_stats
-        return Candidate(
-            worker_id=self.endpoint.worker_id,
-            num_free_blocks=(stats.num_free_blocks if stats else 0) - self.blocks_since_stats,
-            num_running=stats.num_running if stats else 0,
-            inflight=self.inflight,
-            healthy=self.healthy(now, timeout_s),
-            queued_tokens=max(stats.queued_tokens if stats else 0, self.prefill_tokens),
-            prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else 0.0,
-        )
 
 
 class WorkerClient:
@@ -153,7 +70,8 @@ class WorkerClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._workers = [_Worker(e, self._push_socket(e.request_addr)) for e in endpoints]
+        self._workers = [WorkerState(e, self._push_socket(e.request_addr)) for e in endpoints]
+        self.telemetry = RequestTelemetry(metrics, self._workers)
         self._prefill = [i for i, w in enumerate(self._workers) if w.endpoint.role == "prefill"]
         self._decode = [
             i for i, w in enumerate(self._workers) if w.endpoint.role in ("decode", "both")
@@ -163,7 +81,7 @@ class WorkerClient:
         self._pull = self._async_ctx.socket(zmq.PULL)
         for endpoint in endpoints:
             self._pull.connect(endpoint.output_addr)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._reader: asyncio.Task[None] | None = None
 
     def _push_socket(self, addr: str) -> zmq.Socket:
@@ -204,7 +122,7 @@ class WorkerClient:
     def ready(self) -> bool:
         return self.num_ready == len(self._live())
 
-    def _live(self) -> list[_Worker]:
+    def _live(self) -> list[WorkerState]:
         return [w for w in self._workers if not w.removed]
 
     def worker_ids(self, pool: str) -> list[str]:
@@ -213,7 +131,7 @@ class WorkerClient:
 
     def add_worker(self, endpoint: WorkerEndpoint) -> None:
         """Route to a newly started worker from now on."""
-        worker = _Worker(endpoint, self._push_socket(endpoint.request_addr))
+        worker = WorkerState(endpoint, self._push_socket(endpoint.request_addr))
         self._workers.append(worker)
         index = len(self._workers) - 1
         self._role_indices(endpoint.role).append(index)
@@ -242,14 +160,14 @@ class WorkerClient:
     def _role_indices(self, role: str) -> list[int]:
         return {"prefill": self._prefill, "vision": self._vision}.get(role, self._decode)
 
-    def _find(self, worker_id: str) -> tuple[int, _Worker]:
+    def _find(self, worker_id: str) -> tuple[int, WorkerState]:
         for i, w in enumerate(self._workers):
             if w.endpoint.worker_id == worker_id and not w.removed:
                 return i, w
         raise KeyError(worker_id)
 
     @staticmethod
-    def _waits_on(tracked: _Tracked, index: int) -> bool:
+    def _waits_on(tracked: Tracked, index: int) -> bool:
         return (
             tracked.worker == index
             or tracked.vision == index
@@ -302,7 +220,7 @@ class WorkerClient:
         decodes = [i for i in self._decode if self._workers[i].routable]
         prefills = [i for i in self._prefill if self._workers[i].routable]
         info = RequestInfo(request_id, prompt_ids, self.block_size, self._cached(prompt_ids))
-        prefill_candidates = _with_rates(
+        prefill_candidates = with_rates(
             [self._workers[i].candidate(now, timeout) for i in prefills]
         )
         plan = self.router.plan(
@@ -312,7 +230,7 @@ class WorkerClient:
         )
         self._count_decision(plan.prefill is not None)
         decode = decodes[plan.decode]
-        tracked = _Tracked(group, index, decode, now)
+        tracked = Tracked(group, index, decode, now)
         self._tracked[request_id] = tracked
         self._workers[decode].inflight += 1
         self._workers[decode].blocks_since_stats += -(-len(prompt_ids) // self.block_size)
@@ -334,7 +252,7 @@ class WorkerClient:
             self._encode(tracked, request_id, images)
         self._send(decode, msg.Reserve(request_id, prompt_ids, params, prefill_id, spans))
 
-    def _encode(self, tracked: _Tracked, request_id: str, images: PromptImages) -> None:
+    def _encode(self, tracked: Tracked, request_id: str, images: PromptImages) -> None:
         """Send the images to a vision worker, which sends the embeddings to the prefill
         worker while the decode worker reserves blocks."""
         now, timeout = time.monotonic(), self.heartbeat_timeout_s
@@ -361,7 +279,7 @@ class WorkerClient:
             ).inc()
         m.router_decisions.labels(m.model_name, self.router.decode_policy.name, "decode").inc()
 
-    def _prompt_done(self, tracked: _Tracked) -> None:
+    def _prompt_done(self, tracked: Tracked) -> None:
         """The prompt worker no longer has this request's prompt to compute."""
         if tracked.prefill is not None:
             self._workers[tracked.prefill].prefill_tokens -= tracked.prefill_tokens
@@ -378,7 +296,7 @@ class WorkerClient:
             tracked = self._untrack(request_id)
             if tracked is None:
                 continue
-            self._log_failure(request_id, tracked, "abort")
+            self.telemetry.failed(request_id, tracked, "abort")
             by_worker.setdefault(tracked.worker, []).append(request_id)
             if tracked.prefill is not None and tracked.pending_prefill is None:
                 by_worker.setdefault(tracked.prefill, []).append(request_id)
@@ -391,7 +309,7 @@ class WorkerClient:
         self._workers[worker].socket.send(msg.encode(message))
         self._count_admitted()
 
-    def _untrack(self, request_id: str) -> _Tracked | None:
+    def _untrack(self, request_id: str) -> Tracked | None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             self._prompt_done(tracked)
@@ -403,7 +321,7 @@ class WorkerClient:
         admitted = self.metrics.num_requests_admitted.labels(*self.metrics.labels(API_POOL, "api"))
         admitted.set(len(self._tracked))
 
-    def _prompt_sent(self, tracked: _Tracked) -> None:
+    def _prompt_sent(self, tracked: Tracked) -> None:
         tracked.sent = time.monotonic()
         w = self._workers[tracked.prompt_worker]
         key = self.metrics.labels(w.pool, w.endpoint.worker_id)
@@ -477,112 +395,29 @@ class WorkerClient:
         tracked = self._tracked.get(delta.request_id)
         if tracked is None:
             return
-        self._observe_tokens(tracked, len(delta.token_ids))
+        if self.telemetry.tokens(tracked, len(delta.token_ids)):
+            self._prompt_done(tracked)
         if delta.finish_reason is not None:
             self._untrack(delta.request_id)
-            self._observe_finish(delta, tracked)
+            self.telemetry.finished(delta, tracked)
         tracked.group.queue.put_nowait((tracked.index, delta))
-
-    def _observe_tokens(self, tracked: _Tracked, count: int) -> None:
-        if not count:
-            return
-        m, now = self.metrics, time.monotonic()
-        decode = self._workers[tracked.worker]
-        key = m.labels(decode.pool, decode.endpoint.worker_id)
-        m.generation_tokens.labels(*key).inc(count)
-        if tracked.first_token:
-            gap = (now - tracked.last_token_at) / count
-            for _ in range(count):
-                m.inter_token_latency.labels(*key).observe(gap)
-        else:
-            tracked.first_token = True
-            tracked.first_token_at = now
-            self._prompt_done(tracked)
-            prompt = self._workers[tracked.prompt_worker]
-            prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
-            m.time_to_first_token.labels(*prompt_key).observe(now - tracked.start)
-            m.request_prefill_time.labels(*prompt_key).observe(now - tracked.sent)
-        tracked.num_tokens += count
-        tracked.last_token_at = now
-
-    def _observe_finish(self, delta: msg.TokenDelta, tracked: _Tracked) -> None:
-        m, now = self.metrics, time.monotonic()
-        decode = self._workers[tracked.worker]
-        key = m.labels(decode.pool, decode.endpoint.worker_id)
-        prompt = self._workers[tracked.prompt_worker]
-        prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
-        m.prompt_tokens.labels(*prompt_key).inc(delta.num_prompt_tokens)
-        m.request_success.labels(*key, delta.finish_reason).inc()
-        m.e2e_request_latency.labels(*key).observe(now - tracked.start)
-        decode_time = now - tracked.first_token_at if tracked.first_token else 0.0
-        m.request_decode_time.labels(*key).observe(decode_time)
-        if tracked.num_tokens > 1:
-            per_token = decode_time / (tracked.num_tokens - 1)
-            m.request_time_per_output_token.labels(*key).observe(per_token)
-        self._log(delta.request_id, tracked, "ok", delta.finish_reason, delta.num_prompt_tokens)
-
-    def _log_failure(self, request_id: str, tracked: _Tracked, reason: str) -> None:
-        decode = self._workers[tracked.worker]
-        key = self.metrics.labels(decode.pool, decode.endpoint.worker_id)
-        self.metrics.request_failure.labels(*key, reason).inc()
-        self._log(request_id, tracked, "error", reason, None)
-
-    def _log(
-        self,
-        request_id: str,
-        tracked: _Tracked,
-        status: str,
-        reason: str | None,
-        prompt_tokens: int | None,
-    ) -> None:
-        """One JSON line per finished engine request on the `splitserve.requests` logger."""
-        now = time.monotonic()
-        prefill = None if tracked.prefill is None else self._workers[tracked.prefill]
-        line = {
-            "request_id": request_id,
-            "prefill_worker": prefill.endpoint.worker_id if prefill else None,
-            "decode_worker": self._workers[tracked.worker].endpoint.worker_id,
-            "ttft_s": round(tracked.first_token_at - tracked.start, 6)
-            if tracked.first_token
-            else None,
-            "e2e_s": round(now - tracked.start, 6),
-            "prompt_tokens": prompt_tokens,
-            "generation_tokens": tracked.num_tokens,
-            "status": status,
-            "finish_reason": reason,
-        }
-        request_log.info(json.dumps(line))
 
     def _on_error(self, error: msg.RequestError, reason: str = "") -> None:
         tracked = self._untrack(error.request_id)
         if tracked is not None:
             failure = reason or ("invalid_request" if error.status == 400 else "request_failed")
-            self._log_failure(error.request_id, tracked, failure)
+            self.telemetry.failed(error.request_id, tracked, failure)
             if tracked.prefill is not None:
                 self.abort_elsewhere(tracked, error.request_id)
             tracked.group.queue.put_nowait((tracked.index, error))
 
-    def abort_elsewhere(self, tracked: _Tracked, request_id: str) -> None:
+    def abort_elsewhere(self, tracked: Tracked, request_id: str) -> None:
         """After an error from one hop, make sure the other hop frees what it holds."""
         targets = {tracked.worker}
         if tracked.prefill is not None and tracked.pending_prefill is None:
             targets.add(tracked.prefill)
         for worker in targets:
             self._send(worker, msg.AbortRequest([request_id]))
-
-
-def _with_rates(candidates: list[Candidate]) -> list[Candidate]:
-    """Workers that have not measured their prefill rate yet get their pool's mean rate.
-
-    NOTE: candidates carry no node_id, so a worker is credited only with the prefix its own
-    tiers (device, host) hold; a prefix on the node's shared disk tier is what any worker
-    finds there when it runs the request, not a reason to route it somewhere."""
-    measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0]
-    rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
-    return [
-        c if c.prefill_tokens_per_s > 0 else dataclasses.replace(c, prefill_tokens_per_s=rate)
-        for c in candidates
-    ]
 
 
 class RequestGroup:
