@@ -78,6 +78,30 @@ def test_invalid_chat_value_is_400_naming_the_param(
     assert_still_serving(client)
 
 
+# A 1x1 PNG: a valid image, which this text-only model cannot take.
+PIXEL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+    "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
+def test_image_for_a_text_only_model_is_400_images_not_supported(client: openai.OpenAI) -> None:
+    content = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": PIXEL}},
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
+            max_tokens=4,
+        )
+    error = error_of(info.value)
+    assert error["code"] == "images_not_supported" and error["param"] == "messages"
+    assert "does not accept images" in error["message"]
+    assert_still_serving(client)
+
+
 def test_prompt_plus_max_tokens_over_context_is_context_length_exceeded(
     client: openai.OpenAI,
 ) -> None:
