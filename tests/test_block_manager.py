@@ -123,3 +123,19 @@ def test_waiting_requests_holding_blocks_cannot_starve_the_queue_head() -> None:
     assert [r.request_id for r in batch.requests] == ["first"]
     assert second.block_table == [] and second.num_computed_tokens == 0
     assert first.block_table == [0, 1, 3]
+
+
+def test_queued_prompt_tokens_leave_out_the_prefix_a_waiting_request_will_find() -> None:
+    """The load a prefill worker reports to the router: a waiting request whose first two
+    blocks are cached counts only the rest of its prompt (and claims nothing by being counted)."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(EngineConfig(block_size=4), bm)
+    done = _req("done", list(range(10)))
+    bm.allocate_slots(done, 10)
+    done.num_computed_tokens = 10
+    bm.commit(done)
+    bm.free(done)
+    scheduler.add(_req("hit", [*range(8), 60, 61, 62]))
+    scheduler.add(_req("miss", [70, 71, 72, 73, 74]))
+    assert scheduler.queued_prompt_tokens() == (11 - 8) + 5
+    assert bm.num_free_blocks == 8

@@ -78,6 +78,19 @@ class BlockManager:
                 self.last_hit_tokens[tier] = hits + self.block_size
         return len(req.block_table) * self.block_size
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Tokens of req's prompt that allocate_prefix would find in this device cache now
+        (a look, nothing claimed)."""
+        if not self.enable_prefix_caching:
+            return 0
+        usable = (req.num_tokens - 1) // self.block_size
+        found = 0
+        for block_hash in self._block_hashes(req)[:usable]:
+            if block_hash not in self.cached:
+                break
+            found += 1
+        return found * self.block_size
+
     def claim_free(self) -> int | None:
         """Take the least recently freed block for new contents (ref count 1), or None."""
         if not self.free_queue:

@@ -104,12 +104,16 @@ class Scheduler:
             self.cached_tokens_by_tier[tier] = self.cached_tokens_by_tier.get(tier, 0) + tokens
 
     def queued_prompt_tokens(self) -> int:
-        """Prompt tokens admitted here whose KV is not computed yet."""
-        return sum(
-            max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-            for queue in (self.waiting, self.running)
-            for r in queue
-        )
+        """Prompt tokens admitted here whose KV is not computed yet; a request that has not
+        claimed its blocks yet counts without the prefix the device cache holds for it."""
+        total = 0
+        for queue in (self.waiting, self.running):
+            for r in queue:
+                done = r.num_computed_tokens
+                if not r.block_table:
+                    done = self.block_manager.cached_prefix_tokens(r)
+                total += max(r.num_prompt_tokens - done, 0)
+        return total
 
     def _make_room(self, head: Request, num_new: int) -> bool:
         """Nothing runs and the head of the queue cannot start: take blocks back from the
