@@ -53,6 +53,10 @@ def test_disaggregation_messages_round_trip() -> None:
         msg.KvHeader("r", "prefill-0", 0, 7, None, [2, 1, 1, 16, 1, 8], "bfloat16"),
         msg.WorkerStats("w", 1, 2, 3, 4, 0.5, 6, 7, 737280, [0.001, 0.25]),
         msg.OutputBatch([], [msg.RequestError("r", "transfer failed", 503)]),
+        msg.Prefill("r", [1], params, "d", "tcp://a:1", None, [], msg.PeerPrefix("p", "x", 3)),
+        msg.FetchBlocks("r", "prefill-1", "tcp://127.0.0.1:5556", [2**64 - 1, 0, 12345]),
+        msg.PeerBlocks("r", "prefill-0", 2, 3, [2, 30, 3, 16, 3, 64], "float32"),
+        msg.PeerBlocks("r", "prefill-0", 0, 0, [], ""),
     ]
     for message in messages:
         assert msg.decode(msg.encode(message)) == message

@@ -42,7 +42,7 @@ class EngineStats:
     prompt_tokens_queried: int = 0
     """Prompt tokens of admitted requests that looked up the prefix cache."""
     cached_tokens_by_tier: dict[str, int] | None = None
-    """Tier (device, host, disk) -> prompt tokens served from it."""
+    """Tier (device, host, disk, remote: pulled from a peer) -> prompt tokens served from it."""
     queued_prompt_tokens: int = 0
 
 

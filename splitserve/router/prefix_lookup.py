@@ -9,7 +9,7 @@ back to load only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.index import PrefixIndex
@@ -40,3 +40,17 @@ class PrefixLookup:
 
     def close(self) -> None:
         self.index.close()
+
+
+def best_peer(
+    cached_blocks: Mapping[str, int], have: int, peers: Iterable[str], usable: int
+) -> tuple[str, int] | None:
+    """The peer (a live prefill worker other than the chosen one) with the most leading
+    blocks of the prompt, capped at ``usable``, when that is more than the ``have`` blocks
+    the chosen worker and its node's store hold; None otherwise. Ties go to the earliest."""
+    best: tuple[str, int] | None = None
+    for peer in peers:
+        blocks = min(cached_blocks.get(peer, 0), usable)
+        if blocks > max(have, best[1] if best else 0):
+            best = (peer, blocks)
+    return best

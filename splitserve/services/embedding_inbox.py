@@ -1,7 +1,8 @@
-"""A prefill worker's receiving end for image embeddings from vision workers.
+"""A prefill worker's receiving end for image embeddings from vision workers (and, with
+``ndim=6``, for prefix blocks from peer prefill workers: services/peer_blocks.py).
 
-An EmbeddingsHeader arrives on the worker's embeddings socket (read by the loop thread); the
-tensor follows on the KV transport from that vision worker. One receiver thread per vision
+An EmbeddingsHeader (PeerBlocks) arrives on the worker's embeddings socket (read by the loop
+thread); the tensor follows on the KV transport from that sender. One receiver thread per vision
 worker runs the transport's recv in header order (the order the sender used) and hands the
 filled buffer back to the loop thread through ``collect``.
 """
@@ -32,25 +33,33 @@ class Arrived:
     error: str | None
 
 
+Header = msg.EmbeddingsHeader | msg.PeerBlocks
+
+
 class EmbeddingInbox:
-    def __init__(self, worker_id: str, transport: KVTransport, stop: threading.Event) -> None:
+    """ndim: the rank a header's shape must have (embeddings [tokens, hidden]: 2)."""
+
+    def __init__(
+        self, worker_id: str, transport: KVTransport, stop: threading.Event, ndim: int = 2
+    ) -> None:
         self.worker_id = worker_id
         self.transport = transport
+        self.ndim = ndim
         self._stop = stop
-        self._peers: dict[str, queue.Queue[tuple[msg.EmbeddingsHeader, torch.Tensor]]] = {}
+        self._peers: dict[str, queue.Queue[tuple[Header, torch.Tensor]]] = {}
         self._arrived: queue.Queue[Arrived] = queue.Queue()
 
-    def on_header(self, header: msg.EmbeddingsHeader) -> None:
+    def on_header(self, header: Header) -> None:
         """Queue the receive of the announced tensor (loop thread)."""
         dtype = DTYPES.get(header.dtype)
         numel = 1
         for size in header.shape:
             numel *= max(size, 0)
-        if dtype is None or len(header.shape) != 2 or numel > MAX_ELEMENTS:
+        if dtype is None or len(header.shape) != self.ndim or numel > MAX_ELEMENTS:
             # The sender will still send: receive into nothing useful is impossible, so the
             # channel is dropped (the sender's next request opens a new generation).
             self.transport.drop(header.sender, self.worker_id, header.generation)
-            error = f"malformed embeddings header from {header.sender}"
+            error = f"malformed {type(header).__name__} from {header.sender}"
             self._arrived.put(Arrived(header.request_id, None, error))
             return
         buffer = torch.empty(header.shape, dtype=dtype, device=self.transport.device)
@@ -63,7 +72,7 @@ class EmbeddingInbox:
             arrived.append(self._arrived.get_nowait())
         return arrived
 
-    def _peer_queue(self, peer: str) -> queue.Queue[tuple[msg.EmbeddingsHeader, torch.Tensor]]:
+    def _peer_queue(self, peer: str) -> queue.Queue[tuple[Header, torch.Tensor]]:
         if peer not in self._peers:
             self._peers[peer] = queue.Queue()
             threading.Thread(

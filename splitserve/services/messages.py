@@ -50,6 +50,16 @@ class Reserved:
 
 
 @dataclass(frozen=True)
+class PeerPrefix:
+    """Another prefill worker that holds more of a prompt's leading blocks (by the prefix
+    index, so possibly stale): the first ``blocks`` of them, asked for on its request socket."""
+
+    worker_id: str
+    request_addr: str
+    blocks: int
+
+
+@dataclass(frozen=True)
 class Prefill:
     """API server -> prefill worker: compute the prompt and send its KV to decode_worker."""
 
@@ -61,6 +71,33 @@ class Prefill:
     traffic_class: str | None = None
     images: list[ImageSpan] = dataclasses.field(default_factory=list)
     """The prompt's images; their embeddings come from a vision worker (EmbeddingsHeader)."""
+    peer: PeerPrefix | None = None
+    """Pull the prompt's prefix from this worker before computing the rest (peer_blocks.py)."""
+
+
+@dataclass(frozen=True)
+class FetchBlocks:
+    """Prefill worker -> peer prefill worker: send the leading blocks of ``block_hashes``
+    that you hold (device cache or block store), announced by a PeerBlocks to reply_addr."""
+
+    request_id: str
+    requester: str
+    reply_addr: str
+    block_hashes: list[int]
+
+
+@dataclass(frozen=True)
+class PeerBlocks:
+    """Peer -> requester: ``blocks`` leading blocks of a FetchBlocks follow on channel
+    generation as one tensor [2, layers, blocks, block_size, kv_heads, head_dim] (nothing
+    follows when blocks is 0)."""
+
+    request_id: str
+    sender: str
+    generation: int
+    blocks: int
+    shape: list[int]
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -186,6 +223,8 @@ class WorkerStats:
     cached_host_tokens: int = 0
     """Of prompt_tokens_cached, the tokens loaded from the host tier (the rest: disk, device)."""
     cached_disk_tokens: int = 0
+    cached_remote_tokens: int = 0
+    """Of prompt_tokens_cached, the tokens pulled from another prefill worker."""
     queued_tokens: int = 0
     """Prompt tokens admitted whose KV is not computed yet."""
     prefill_tokens_per_s: float = 0.0
@@ -218,6 +257,8 @@ Message = (
     | Reserve
     | Reserved
     | Prefill
+    | FetchBlocks
+    | PeerBlocks
     | EncodeImages
     | EmbeddingsHeader
     | KvHeader
@@ -233,6 +274,8 @@ _TYPES: dict[str, type] = {
         Reserve,
         Reserved,
         Prefill,
+        FetchBlocks,
+        PeerBlocks,
         EncodeImages,
         EmbeddingsHeader,
         KvHeader,

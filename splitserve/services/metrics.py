@@ -148,9 +148,12 @@ class Metrics:
         self.prefix_cache_queries.labels(*key, DEVICE_TIER).inc(cached + computed)
         host = max(stats.cached_host_tokens - before.cached_host_tokens, 0)
         disk = max(stats.cached_disk_tokens - before.cached_disk_tokens, 0)
-        self.prefix_cache_hits.labels(*key, DEVICE_TIER).inc(max(cached - host - disk, 0))
+        remote = max(stats.cached_remote_tokens - before.cached_remote_tokens, 0)
+        device = max(cached - host - disk - remote, 0)
+        self.prefix_cache_hits.labels(*key, DEVICE_TIER).inc(device)
         self.prefix_cache_hits.labels(*key, "host").inc(host)
         self.prefix_cache_hits.labels(*key, "disk").inc(disk)
+        self.prefix_cache_hits.labels(*key, "remote").inc(remote)
 
     def observe_vision_stats(
         self, pool: str, stats: WorkerStats, previous: WorkerStats | None

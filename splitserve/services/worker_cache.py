@@ -26,6 +26,7 @@ from splitserve.kvstore.index import Prefixes, PrefixIndex, make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig, RetentionPolicy
 from splitserve.services.messages import IndexUpdate
+from splitserve.services.peer_blocks import StagedBlocks
 
 EXPIRE_INTERVAL_S = 1.0
 
@@ -107,6 +108,8 @@ class WorkerCache:
             store_cfg["host_bytes"], disk_path, store_cfg["disk_bytes"], retention
         )
         self.store = BlockStore(config, self.events)
+        self.blocks = StagedBlocks(self.store)
+        """What the engine loads prefixes from: the store, then blocks pulled from peers."""
         self._next_expire = time.monotonic() + EXPIRE_INTERVAL_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -99,7 +99,7 @@ class EngineWorker:
                 self.worker_id, self.kv, lambda: list(self.engine.block_manager.cached)
             )
             self.engine = LLMEngine(
-                self.config, block_store=self.cache.store, cache_events=self.cache.events
+                self.config, block_store=self.cache.blocks, cache_events=self.cache.events
             )
         else:
             self.engine = LLMEngine(self.config)
@@ -260,6 +260,7 @@ class EngineWorker:
             kv_transfer_seconds=seconds,
             cached_host_tokens=(s.cached_tokens_by_tier or {}).get("host", 0),
             cached_disk_tokens=(s.cached_tokens_by_tier or {}).get("disk", 0),
+            cached_remote_tokens=(s.cached_tokens_by_tier or {}).get("remote", 0),
             queued_tokens=s.queued_prompt_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             node_id=self.cache.node_id if self.cache is not None else "",

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from splitserve.engine.request import SamplingParams
 from splitserve.router.policy import RequestInfo
-from splitserve.router.prefix_lookup import PrefixLookup
+from splitserve.router.prefix_lookup import PrefixLookup, best_peer
 from splitserve.router.router import Router
 from splitserve.router.vision import VisionRouter
 from splitserve.services import messages as msg
@@ -245,8 +245,9 @@ class WorkerClient:
         d = self._workers[decode].endpoint
         prefill_id = self._workers[tracked.prefill].endpoint.worker_id
         spans = images.spans if images is not None else []
+        peer = self._peer(info, prefills, tracked.prefill) if images is None else None
         tracked.pending_prefill = msg.Prefill(
-            request_id, prompt_ids, params, d.worker_id, d.kv_addr, traffic_class, spans
+            request_id, prompt_ids, params, d.worker_id, d.kv_addr, traffic_class, spans, peer
         )
         if images is not None:
             self._encode(tracked, request_id, images)
@@ -267,9 +268,34 @@ class WorkerClient:
         self._send(tracked.vision, message)
 
     def _cached(self, prompt_ids: list[int]) -> dict[str, int]:
-        if self.prefix is None or self.router.prefill_policy.name != "cache_aware":
+        """Holder -> the prompt's leading blocks there: for cache-aware routing and, with
+        more than one prefill worker, for pulling a prefix from a peer (_peer)."""
+        if self.prefix is None:
+            return {}
+        if self.router.prefill_policy.name != "cache_aware" and len(self._prefill) < 2:
             return {}
         return self.prefix.cached_blocks(prompt_ids)
+
+    def _peer(self, info: RequestInfo, prefills: list[int], chosen: int) -> msg.PeerPrefix | None:
+        """A live prefill worker holding more of the prompt than the chosen one and its
+        node's store: the chosen one pulls the difference from it (services/peer_blocks.py)."""
+        if not info.cached_blocks:
+            return None
+        worker = self._workers[chosen]
+        node = worker.last_stats.node_id if worker.last_stats is not None else ""
+        cached = info.cached_blocks
+        have = max(cached.get(worker.endpoint.worker_id, 0), cached.get(node, 0) if node else 0)
+        now = time.monotonic()
+        live = {
+            self._workers[i].endpoint.worker_id: self._workers[i].endpoint
+            for i in prefills
+            if i != chosen and self._workers[i].healthy(now, self.heartbeat_timeout_s)
+        }
+        usable = max(len(info.prompt_ids) - 1, 0) // self.block_size
+        found = best_peer(cached, have, live, usable)
+        if found is None:
+            return None
+        return msg.PeerPrefix(found[0], live[found[0]].request_addr, found[1])
 
     def _count_decision(self, disaggregated: bool) -> None:
         m = self.metrics

@@ -1,0 +1,245 @@
+"""Pulling a prompt's cached prefix from another prefill worker over the KV transport.
+
+The router names a peer in a Prefill (``PeerPrefix``) when another live prefill worker holds
+more of the prompt's leading blocks, by the prefix index, than the chosen worker and its
+node's store do. The chosen worker B then asks that peer A for the blocks it lacks:
+
+```
+B (requester)                                   A (peer)
+  FetchBlocks(id, B, B's kv addr, hashes) --->  request socket, loop thread: gather_prefix
+                                                (device cache first, then its block store)
+  <--- PeerBlocks(id, A, generation, n, shape)  to B's kv address (ZMQ PUSH)
+  <=== the n blocks as one tensor on channel (A, B, generation)
+  stage them; start the prompt: the engine's prefix loader takes them (tier "remote") after
+  B's own device cache and block store, registers them, and computes only the rest.
+```
+
+The index may be stale and the peer may have evicted blocks since: A sends the leading blocks
+it still has (n may be fewer than asked, or 0). Anything else that goes wrong (a malformed or
+mismatched answer, a broken channel, a peer that never answers) is a miss too, and the prompt
+is computed in full; a request never fails for it. B waits at most ``PEER_WAIT_FRACTION`` of
+``transfer.timeout_s``: the decode worker holds its reservation for ``timeout_s`` from Reserve,
+which must still cover the compute and the handoff.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+
+from splitserve.kvstore.hashing import block_hashes
+from splitserve.kvstore.store import BlockStore
+from splitserve.kvstore.transfer import KVTransport
+from splitserve.services import messages as msg
+from splitserve.services.embedding_inbox import EmbeddingInbox
+
+if TYPE_CHECKING:
+    from splitserve.engine.llm_engine import LLMEngine
+
+REMOTE_TIER = "remote"
+"""The hit tier of blocks pulled from a peer (metrics, engine stats); not an index tier."""
+PEER_WAIT_FRACTION = 0.25
+MAX_FETCH_BLOCKS = 4096
+"""A FetchBlocks asking for more is answered with at most this many blocks."""
+
+
+class StagedBlocks:
+    """The engine's block cache: the worker's block store, then blocks pulled from peers for
+    the prompts about to start. Only the worker's loop thread uses it."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self._blocks: dict[int, torch.Tensor] = {}
+        self._refs: Counter[int] = Counter()
+        self._owned: dict[str, list[int]] = {}
+
+    def put(self, block_hash: int, kv: torch.Tensor, traffic_class: str | None = None) -> None:
+        self.store.put(block_hash, kv, traffic_class)
+
+    def load_prefix(self, block_hashes: Sequence[int]) -> list[tuple[torch.Tensor, str]]:
+        """The leading blocks found in the store or, failing that, among the staged ones."""
+        found: list[tuple[torch.Tensor, str]] = []
+        for block_hash in block_hashes:
+            hit = self.store.get(block_hash)
+            if hit is None:
+                staged = self._blocks.get(block_hash)
+                if staged is None:
+                    break
+                hit = (staged, REMOTE_TIER)
+            found.append(hit)
+        return found
+
+    def stage(self, request_id: str, hashes: Sequence[int], kv: torch.Tensor) -> None:
+        """Keep block i of kv [2, layers, n, block, heads, dim] under hashes[i] until release."""
+        self.release(request_id)
+        self._owned[request_id] = list(hashes)
+        for i, block_hash in enumerate(hashes):
+            self._blocks[block_hash] = kv[:, :, i]
+            self._refs[block_hash] += 1
+
+    def release(self, request_id: str) -> None:
+        """The prompt started and finished (or went away): its staged blocks are not needed."""
+        for block_hash in self._owned.pop(request_id, []):
+            self._refs[block_hash] -= 1
+            if self._refs[block_hash] <= 0:
+                del self._refs[block_hash]
+                self._blocks.pop(block_hash, None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+def gather_prefix(
+    engine: LLMEngine, store: BlockStore | None, hashes: Sequence[int]
+) -> torch.Tensor | None:
+    """The peer's side: the leading blocks of ``hashes`` held in the device cache or the block
+    store, as one tensor [2, layers, n, block, heads, dim]; None when not even the first is."""
+    cached = engine.block_manager.cached
+    sources: list[int | torch.Tensor] = []
+    for block_hash in hashes[:MAX_FETCH_BLOCKS]:
+        block_id = cached.get(block_hash)
+        if block_id is not None:
+            sources.append(block_id)
+            continue
+        hit = store.get(block_hash) if store is not None else None
+        if hit is None:
+            break
+        sources.append(hit[0])
+    if not sources:
+        return None
+    runner = engine.runner
+    device_ids = [s for s in sources if isinstance(s, int)]
+    device = iter(runner.gather_blocks(device_ids).unbind(2) if device_ids else ())
+    blocks = [
+        next(device) if isinstance(s, int) else s.to(runner.device, runner.dtype) for s in sources
+    ]
+    return torch.stack(blocks, dim=2)
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    prefill: msg.Prefill
+    block_hashes: list[int]
+    deadline: float
+
+
+class PeerFetches:
+    """The requester's side: prompts that wait for a peer's blocks (loop thread), received
+    by an inbox thread per peer in the order of their headers."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        reply_addr: str,
+        ctx: zmq.Context,
+        transport: KVTransport,
+        staged: StagedBlocks,
+        engine: LLMEngine,
+        stop: threading.Event,
+    ) -> None:
+        self.worker_id = worker_id
+        self.reply_addr = reply_addr
+        self.staged = staged
+        self.engine = engine
+        self.wait_s = transport.timeout.total_seconds() * PEER_WAIT_FRACTION
+        self.inbox = EmbeddingInbox(worker_id, transport, stop, ndim=6)
+        self._ctx = ctx
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._waiting: dict[str, _Fetch] = {}
+        self._missed: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def request(self, prefill: msg.Prefill) -> bool:
+        """Ask prefill's peer for the prompt's blocks that this device cache lacks; False when
+        there is nothing to ask for (the prompt starts now)."""
+        peer = prefill.peer
+        if peer is None or prefill.images:
+            return False
+        block_size = self.engine.block_manager.block_size
+        usable = (len(prefill.prompt_token_ids) - 1) // block_size
+        hashes = block_hashes(prefill.prompt_token_ids, block_size)[: min(peer.blocks, usable)]
+        cached = self.engine.block_manager.cached
+        start = 0
+        while start < len(hashes) and hashes[start] in cached:
+            start += 1
+        wanted = hashes[start:]
+        if not wanted:
+            return False
+        ask = msg.FetchBlocks(prefill.request_id, self.worker_id, self.reply_addr, wanted)
+        self._socket(peer.request_addr).send(msg.encode(ask))
+        self._waiting[prefill.request_id] = _Fetch(prefill, wanted, time.monotonic() + self.wait_s)
+        return True
+
+    def on_header(self, header: msg.PeerBlocks) -> None:
+        """A peer's answer: nothing follows for 0 blocks; otherwise the tensor is received
+        even for a prompt that stopped waiting, so that the channel stays in step."""
+        if header.blocks > 0:
+            self.inbox.on_header(header)
+        elif header.request_id in self._waiting:
+            self._missed.append(header.request_id)
+
+    def ready(self) -> list[msg.Prefill]:
+        """The prompts that may start: their blocks are staged, or their peer missed."""
+        done: list[tuple[str, torch.Tensor | None]] = [(r, None) for r in self._missed]
+        self._missed = []
+        done += [(a.request_id, a.embeddings) for a in self.inbox.collect()]
+        now = time.monotonic()
+        done += [(r, None) for r, fetch in self._waiting.items() if now > fetch.deadline]
+        started = []
+        for request_id, kv in done:
+            fetch = self._waiting.pop(request_id, None)
+            if fetch is None:
+                continue
+            if kv is not None and self._fits(kv, len(fetch.block_hashes)):
+                self.staged.stage(request_id, fetch.block_hashes[: kv.shape[2]], kv)
+            started.append(fetch.prefill)
+        return started
+
+    def discard(self, request_id: str) -> None:
+        """The prompt is done or aborted: forget its wait and its staged blocks."""
+        self._waiting.pop(request_id, None)
+        self.staged.release(request_id)
+
+    def close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close(linger=0)
+
+    def _fits(self, kv: torch.Tensor, asked: int) -> bool:
+        """A peer's tensor is usable when it is this engine's block layout and dtype, at most
+        as many blocks as asked for."""
+        runner = self.engine.runner
+        blocks = kv.shape[2]
+        layout = tuple(kv.shape) == runner.kv_shape(blocks) and kv.dtype == runner.dtype
+        return 0 < blocks <= asked and layout
+
+    def _socket(self, addr: str) -> zmq.Socket:
+        if addr not in self._sockets:
+            socket = self._ctx.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(addr)
+            self._sockets[addr] = socket
+        return self._sockets[addr]
+
+
+def peer_header(
+    request_id: str, sender: str, kv: torch.Tensor | None
+) -> Callable[[int], msg.PeerBlocks]:
+    """The PeerBlocks that announces kv (None: no blocks) on a channel generation."""
+
+    def header(generation: int) -> msg.PeerBlocks:
+        if kv is None:
+            return msg.PeerBlocks(request_id, sender, generation, 0, [], "")
+        dtype = str(kv.dtype).removeprefix("torch.")
+        return msg.PeerBlocks(request_id, sender, generation, kv.shape[2], list(kv.shape), dtype)
+
+    return header

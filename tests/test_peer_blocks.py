@@ -1,0 +1,215 @@
+"""Two real PrefillWorkers (their loops, ZMQ sockets and a gloo KVTransport, without Ray) on
+a tiny random Llama with SmolLM2's tokenizer, and the test as their decode worker: B pulls a
+prompt's prefix from A's device cache, and every way the pull can miss (fewer blocks, unknown
+hashes, an unreachable peer) computes the prompt in full. Output: the first token equals the
+reference and the KV handed to decode matches a prefill without any cache."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.request import SamplingParams
+from splitserve.kvstore.hashing import block_hashes
+from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
+from splitserve.services import messages as msg
+from splitserve.services.prefill_worker import PrefillWorker
+from tests.server_process import free_port
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 4.0
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
+ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
+KV = {
+    "prefix_index": {"url": "memory://", "ttl_s": 3600.0, "publish_interval_s": 0.5},
+    "kv_store": {
+        "host_bytes": 0,
+        "disk_path": None,
+        "disk_bytes": 0,
+        "retention": {"chat": 3600.0},
+        "default_class": "chat",
+    },
+}
+_ids = itertools.count()
+
+
+class Decode:
+    """The decode end: a KV header socket and a transport that receives the prompt's KV."""
+
+    def __init__(self, store: StoreAddress) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.transport = KVTransport("decode-0", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+
+    def receive(self) -> tuple[msg.KvHeader, torch.Tensor]:
+        assert self.pull.poll(60_000), "no KV header within 60 s"
+        header = msg.decode(self.pull.recv())
+        assert isinstance(header, msg.KvHeader)
+        kv = torch.empty(header.shape)
+        self.transport.recv(header.sender, header.generation, kv)
+        return header, kv
+
+
+class Worker:
+    """A started PrefillWorker and its request socket's address."""
+
+    def __init__(self, worker_id: str, store: StoreAddress, model: str) -> None:
+        transfer = {"backend": "gloo", "timeout_s": TIMEOUT_S}
+        address = [store.host, store.port]
+        engine = {"model": model, **ENGINE}
+        # threads=0: leave this process's torch thread count alone.
+        self.worker = PrefillWorker(worker_id, engine, "127.0.0.1", 0, transfer, address, KV)
+        self.addr = str(self.worker.start()["request_addr"])
+
+    def remote_tokens(self) -> tuple[int, int]:
+        """(prompt tokens pulled from peers, prompt tokens computed) since the start."""
+        stats = self.worker.engine.stats()
+        return (stats.cached_tokens_by_tier or {}).get("remote", 0), stats.prompt_tokens_computed
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Llama (seeded) saved with SmolLM2's tokenizer: loads in a moment."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def uncached(model: str) -> LLMEngine:
+    """The reference: the same model with prefix caching off."""
+    return LLMEngine(EngineConfig(model, enable_prefix_caching=False, **ENGINE))
+
+
+@pytest.fixture(scope="module")
+def cluster(model: str) -> Iterator[tuple[Worker, Worker, Decode]]:
+    server, address = start_store("127.0.0.1")
+    a, b = Worker("prefill-0", address, model), Worker("prefill-1", address, model)
+    decode = Decode(address)
+    yield a, b, decode
+    for worker in (a, b):
+        worker.worker.stop()
+    decode.ctx.destroy(linger=0)
+    del server
+
+
+def prefill(
+    worker: Worker, decode: Decode, ids: list[int], peer: msg.PeerPrefix | None = None
+) -> tuple[int, torch.Tensor]:
+    """Send a Prefill as the API server would; the first token and the KV decode receives."""
+    push = decode.ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(worker.addr)
+    request_id = f"r-{next(_ids)}"
+    push.send(msg.encode(msg.Prefill(request_id, ids, PARAMS, "decode-0", decode.addr, peer=peer)))
+    push.close()
+    header, kv = decode.receive()
+    assert header.request_id == request_id
+    return header.first_token, kv
+
+
+def reference(engine: LLMEngine, ids: list[int]) -> tuple[int, torch.Tensor]:
+    """First token and KV of the prompt computed with nothing cached."""
+    request_id = f"ref-{next(_ids)}"
+    engine.add_request(request_id, ids, PARAMS, prefill_only=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    prefilled = engine.handoff.pop_prefilled(request_id)
+    return prefilled.first_token, prefilled.kv.clone()
+
+
+def prompt(tokenizer: Any, topic: str, question: str) -> list[int]:
+    rules = " ".join(f"Rule {i} about {topic}: be brief." for i in range(10))
+    return list(tokenizer.encode(f"{rules}\nQuestion: {question}"))
+
+
+def check(result: tuple[int, torch.Tensor], expected: tuple[int, torch.Tensor]) -> None:
+    assert result[0] == expected[0]
+    assert torch.allclose(result[1], expected[1], atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_is_pulled_from_the_peer_and_only_the_rest_is_computed(
+    cluster: Any, uncached: LLMEngine, smollm2_tokenizer: Any
+) -> None:
+    a, b, decode = cluster
+    first = prompt(smollm2_tokenizer, "gardens", "Name a flower.")
+    prefill(a, decode, first)
+    second = prompt(smollm2_tokenizer, "gardens", "Name a tree, please.")
+    common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y) // 16
+    assert 4 <= common < len(block_hashes(first, 16))
+    before = b.remote_tokens()
+    peer = msg.PeerPrefix("prefill-0", a.addr, common)
+    result = prefill(b, decode, second, peer)
+    after = b.remote_tokens()
+    check(result, reference(uncached, second))
+    assert after[0] - before[0] == common * 16
+    assert after[1] - before[1] == len(second) - common * 16
+
+
+def test_peer_with_fewer_blocks_than_named_sends_those_and_the_rest_is_computed(
+    cluster: Any, uncached: LLMEngine, smollm2_tokenizer: Any
+) -> None:
+    a, b, decode = cluster
+    first = prompt(smollm2_tokenizer, "rivers", "Name a river.")
+    prefill(a, decode, first)
+    second = prompt(smollm2_tokenizer, "rivers", "And now name a lake.")
+    common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y) // 16
+    usable = (len(second) - 1) // 16
+    before = b.remote_tokens()
+    peer = msg.PeerPrefix("prefill-0", a.addr, usable)
+    result = prefill(b, decode, second, peer)
+    after = b.remote_tokens()
+    check(result, reference(uncached, second))
+    assert after[0] - before[0] == common * 16
+    assert after[1] - before[1] == len(second) - common * 16
+
+
+def test_peer_without_the_blocks_answers_none_and_the_prompt_is_computed(
+    cluster: Any, uncached: LLMEngine, smollm2_tokenizer: Any
+) -> None:
+    a, b, decode = cluster
+    ids = prompt(smollm2_tokenizer, "volcanoes", "Name one.")
+    before = b.remote_tokens()
+    peer = msg.PeerPrefix("prefill-0", a.addr, 4)
+    result = prefill(b, decode, ids, peer)
+    after = b.remote_tokens()
+    check(result, reference(uncached, ids))
+    assert after == (before[0], before[1] + len(ids))
+
+
+def test_unreachable_peer_is_given_up_after_a_quarter_of_the_timeout_and_computed(
+    cluster: Any, uncached: LLMEngine, smollm2_tokenizer: Any
+) -> None:
+    _, b, decode = cluster
+    ids = prompt(smollm2_tokenizer, "owls", "Name one.")
+    before = b.remote_tokens()
+    peer = msg.PeerPrefix("prefill-7", f"tcp://127.0.0.1:{free_port()}", 4)
+    start = time.monotonic()
+    result = prefill(b, decode, ids, peer)
+    elapsed = time.monotonic() - start
+    check(result, reference(uncached, ids))
+    assert b.remote_tokens() == (before[0], before[1] + len(ids))
+    assert TIMEOUT_S / 4 <= elapsed < TIMEOUT_S
