@@ -7,7 +7,6 @@ prefix_cache_hits{tier} (prompt tokens served from device, host or disk).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -21,12 +20,20 @@ import redis
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
+from tests.prefix_counters import (
+    WORKERS,
+    chosen,
+    counters,
+    delta,
+    prompt_ids,
+    reused,
+    system_prompt,
+)
 from tests.redis_process import RedisProcess
 from tests.server_process import ServerProcess, serve
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
-WORKERS = ("prefill-0", "prefill-1")
 MAX_TOKENS = 8
 STATS_WAIT_S = 0.8
 
@@ -57,32 +64,6 @@ def server(redis_server: RedisProcess, disk: Path) -> Iterator[ServerProcess]:
         yield process
 
 
-def counters(url: str) -> dict[tuple[str, str], float]:
-    """(worker, "queries" | tier) -> prompt tokens, for the prefill workers."""
-    result: dict[tuple[str, str], float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        match = re.match(r"splitserve:prefix_cache_(queries|hits)_total\{(.*)\} (\S+)", line)
-        if match is None:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-        key = "queries" if match.group(1) == "queries" else labels["tier"]
-        result[(labels["worker"], key)] = float(match.group(3))
-    return result
-
-
-def delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict:
-    """worker -> {"queries", "device", "host", "disk", "computed"} increments."""
-    out = {}
-    for worker in WORKERS:
-        d = {
-            k: after.get((worker, k), 0.0) - before.get((worker, k), 0.0)
-            for k in ("queries", "device", "host", "disk")
-        }
-        d["computed"] = d["queries"] - d["device"] - d["host"] - d["disk"]
-        out[worker] = d
-    return out
-
-
 def chat(url: str, messages: list[dict[str, str]], headers: dict[str, str] | None = None) -> str:
     body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
@@ -100,36 +81,6 @@ def measured(url: str, messages: list[dict[str, str]], **kwargs: Any) -> tuple[s
 def reference(llm: LLM, messages: list[dict[str, str]]) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids)
-
-
-def reused(first: list[int], second: list[int]) -> int:
-    """Prompt tokens of ``second`` whose KV the first prompt's full blocks provide."""
-    common = 0
-    for a, b in zip(first, second):
-        if a != b:
-            break
-        common += 1
-    return min(common // 16, len(first) // 16, (len(second) - 1) // 16) * 16
-
-
-def system_prompt(topic: str, sentences: int) -> str:
-    return " ".join(
-        f"Rule {i} about {topic}: answer briefly and stay polite." for i in range(sentences)
-    )
-
-
-def chosen(d: dict) -> str:
-    """The prefill worker that computed the request (the only one whose queries moved)."""
-    workers = [w for w in WORKERS if d[w]["queries"] > 0]
-    assert len(workers) == 1, d
-    return workers[0]
 
 
 def test_unknown_traffic_class_is_400(server: ServerProcess) -> None:
