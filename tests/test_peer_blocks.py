@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -213,3 +214,17 @@ def test_unreachable_peer_is_given_up_after_a_quarter_of_the_timeout_and_compute
     check(result, reference(uncached, ids))
     assert b.remote_tokens() == (before[0], before[1] + len(ids))
     assert TIMEOUT_S / 4 <= elapsed < TIMEOUT_S
+
+
+def test_garbage_on_a_request_socket_is_dropped_and_the_worker_keeps_serving(
+    cluster: Any, uncached: LLMEngine, smollm2_tokenizer: Any
+) -> None:
+    a, _, decode = cluster
+    push = decode.ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(a.addr)
+    push.send(b"\x93not msgpack of ours")
+    push.send(msgpack.packb(["FetchBlocks", ["r", "x", "tcp://127.0.0.1:1", ["not a hash"]]]))
+    push.close()
+    ids = prompt(smollm2_tokenizer, "bread", "Name one.")
+    check(prefill(a, decode, ids), reference(uncached, ids))

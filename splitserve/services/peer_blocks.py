@@ -162,7 +162,7 @@ class PeerFetches:
         """Ask prefill's peer for the prompt's blocks that this device cache lacks; False when
         there is nothing to ask for (the prompt starts now)."""
         peer = prefill.peer
-        if peer is None or prefill.images:
+        if peer is None or prefill.images or peer.worker_id == self.worker_id:
             return False
         block_size = self.engine.block_manager.block_size
         usable = (len(prefill.prompt_token_ids) - 1) // block_size

@@ -157,7 +157,11 @@ class EngineWorker:
                     data = socket.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._handle(msg.decode(data))
+                try:
+                    message = msg.decode(data)
+                except ValueError:
+                    continue  # not a message of ours (peers write here too): dropped
+                self._handle(message)
 
     def _handle(self, message: msg.Message) -> None:
         if isinstance(message, msg.GenerateRequest):
