@@ -43,3 +43,21 @@ def test_staged_blocks_continue_the_store_prefix_and_go_with_their_request() -> 
     assert staged.load_prefix([2]) == []
     staged.release("s")
     assert len(staged) == 0
+
+
+def test_a_worker_serves_its_own_blocks_and_its_nodes_disk_tier() -> None:
+    """A prefix only on another node's disk is pulled through a live worker of that node."""
+    from splitserve.services import messages as msg
+    from splitserve.services.api.client import _holds
+    from splitserve.services.api.worker_view import WorkerEndpoint, WorkerState
+
+    def worker(worker_id: str, node: str) -> WorkerState:
+        endpoint = WorkerEndpoint(worker_id, "tcp://a", "tcp://b", "prefill")
+        state = WorkerState(endpoint, None)  # type: ignore[arg-type]
+        state.last_stats = msg.WorkerStats(worker_id, 0, 0, 0, 0, 0.0, 0, 0, node_id=node)
+        return state
+
+    cached = {"prefill-0": 1, "node:b:/kv": 6, "prefill-2": 4}
+    assert _holds(cached, worker("prefill-0", "node:a:/kv")) == 1
+    assert _holds(cached, worker("prefill-1", "node:b:/kv")) == 6
+    assert _holds(cached, worker("prefill-2", "")) == 4

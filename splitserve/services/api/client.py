@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import zmq
 import zmq.asyncio
@@ -281,18 +281,20 @@ class WorkerClient:
         node's store: the chosen one pulls the difference from it (services/peer_blocks.py)."""
         if not info.cached_blocks:
             return None
-        worker = self._workers[chosen]
-        node = worker.last_stats.node_id if worker.last_stats is not None else ""
         cached = info.cached_blocks
-        have = max(cached.get(worker.endpoint.worker_id, 0), cached.get(node, 0) if node else 0)
+        have = _holds(cached, self._workers[chosen])
         now = time.monotonic()
-        live = {
-            self._workers[i].endpoint.worker_id: self._workers[i].endpoint
+        peers = [
+            self._workers[i]
             for i in prefills
             if i != chosen and self._workers[i].healthy(now, self.heartbeat_timeout_s)
-        }
+        ]
+        live = {w.endpoint.worker_id: w.endpoint for w in peers}
+        # A peer serves from its device cache and its block store, whose disk tier is its
+        # node's: a prefix on another node's disk is pulled through a worker of that node.
+        holds = {w.endpoint.worker_id: _holds(cached, w) for w in peers}
         usable = max(len(info.prompt_ids) - 1, 0) // self.block_size
-        found = best_peer(cached, have, live, usable)
+        found = best_peer(holds, have, live, usable)
         if found is None:
             return None
         return msg.PeerPrefix(found[0], live[found[0]].request_addr, found[1])
@@ -444,6 +446,12 @@ class WorkerClient:
             targets.add(tracked.prefill)
         for worker in targets:
             self._send(worker, msg.AbortRequest([request_id]))
+
+
+def _holds(cached: Mapping[str, int], worker: WorkerState) -> int:
+    """Leading blocks a worker can serve: its own (device, host) or its node's disk tier's."""
+    node = worker.last_stats.node_id if worker.last_stats is not None else ""
+    return max(cached.get(worker.endpoint.worker_id, 0), cached.get(node, 0) if node else 0)
 
 
 class RequestGroup:
