@@ -98,3 +98,23 @@ def test_unknown_policy_and_empty_candidates_are_errors() -> None:
         make_policy("random")
     with pytest.raises(ValueError, match="no candidate workers"):
         make_policy("cache_aware").choose([], request())
+
+
+def test_what_a_live_peer_holds_is_pulled_at_a_small_cost() -> None:
+    """p1 lacks the prefix but could pull p0's 6 blocks (96 tokens) at PULL_COST each: at
+    equal queues the holder wins, once the holder's queue is longer by more than the pull
+    cost the other replica takes the request (and pulls), instead of waiting for p0."""
+    from splitserve.router.policy import PULL_COST
+
+    pullable = RequestInfo("r0", PROMPT, 16, {"p0": 6}, peers={"p0": 6, "p1": 0})
+    holder = Candidate("p0", queued_tokens=40, prefill_tokens_per_s=1000.0)
+    other = Candidate("p1", queued_tokens=40, prefill_tokens_per_s=1000.0)
+    assert pullable.pullable_tokens(other) == 96 and pullable.pullable_tokens(holder) == 0
+    assert prefill_cost(other, pullable) == pytest.approx((40 + 4 + PULL_COST * 96) / 1000)
+    policy = make_policy("cache_aware")
+    assert policy.choose_prefill([holder, other], pullable) == 0
+    busy = Candidate("p0", queued_tokens=60, prefill_tokens_per_s=1000.0)
+    assert policy.choose_prefill([busy, other], pullable) == 1
+    # Without peers (an image prompt, or one replica) p1 would have to compute all 100.
+    alone = RequestInfo("r0", PROMPT, 16, {"p0": 6})
+    assert policy.choose_prefill([busy, other], alone) == 0

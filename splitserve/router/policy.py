@@ -6,7 +6,8 @@ A policy picks an index into a list of candidates (the router drops unhealthy on
 - prefill: the smallest estimated time until this request's prefill would finish,
   (queued tokens + prompt tokens not cached there) / prefill rate. A worker counts as caching
   the longest prefix that it or its node's block store holds (RequestInfo.cached_blocks,
-  from the prefix index). With no index answer (Redis away) this is load only.
+  from the prefix index); what it lacks but a live peer holds it would pull, at PULL_COST of
+  computing it. With no index answer (Redis away) this is load only.
 - decode: the most free KV blocks, then the fewest running sequences.
 
 ``least_loaded`` ignores the cache and ``round_robin`` ignores everything. Ties go to the earliest
@@ -49,6 +50,18 @@ class RequestInfo:
     cached_blocks: Mapping[str, int] = field(default_factory=dict)
     """Holder (worker or node id) -> leading prompt blocks cached there (PrefixIndex)."""
 
+    peers: Mapping[str, int] = field(default_factory=dict)
+    """Live prefill worker -> leading prompt blocks it can send to another worker that pulls
+    them (services/peer_blocks.py): its own tiers' and its node's disk tier's. Empty when the
+    request cannot be pulled (image prompts) or there is no index answer."""
+
+    def pullable_tokens(self, worker: Candidate) -> int:
+        """Prompt tokens beyond ``worker``'s own cached prefix that it would pull from the
+        live worker holding the longest prefix."""
+        best = max((n for peer, n in self.peers.items() if peer != worker.worker_id), default=0)
+        usable = max(len(self.prompt_ids) - 1, 0) // self.block_size
+        return max(min(best, usable) * self.block_size - self.cached_tokens(worker), 0)
+
     def cached_tokens(self, worker: Candidate) -> int:
         """Prompt tokens ``worker`` need not compute: its own or its node's longest prefix.
 
@@ -79,10 +92,20 @@ class Policy(ABC):
         return self.choose(candidates, request)
 
 
+PULL_COST = 0.05
+"""A token of KV pulled from a peer, as a fraction of the cost of computing it: moving one
+token's K and V over the transport is tens of times cheaper than the matmuls that make it
+(SmolLM2 on one CPU core: ~50 us against ~4 ms; Llama-3-8B on an H200: ~1 us against ~30 us).
+Small but not zero, so that of two equally loaded workers the one holding the prefix wins."""
+
+
 def prefill_cost(worker: Candidate, request: RequestInfo) -> float:
-    """Seconds until this request's prefill would finish on ``worker``."""
-    uncached = len(request.prompt_ids) - request.cached_tokens(worker)
-    return (worker.queued_tokens + uncached) / worker.prefill_tokens_per_s
+    """Seconds until this request's prefill would finish on ``worker``: its queue, the prompt
+    tokens it must compute, and those it would pull from a peer at PULL_COST each."""
+    pulled = request.pullable_tokens(worker)
+    computed = len(request.prompt_ids) - request.cached_tokens(worker) - pulled
+    work = worker.queued_tokens + computed + PULL_COST * pulled
+    return work / worker.prefill_tokens_per_s
 
 
 def argmin(candidates: Sequence[Candidate], key: Callable[[Candidate], Any]) -> int:

@@ -219,7 +219,9 @@ class WorkerClient:
         timeout = self.heartbeat_timeout_s
         decodes = [i for i in self._decode if self._workers[i].routable]
         prefills = [i for i in self._prefill if self._workers[i].routable]
-        info = RequestInfo(request_id, prompt_ids, self.block_size, self._cached(prompt_ids))
+        cached = self._cached(prompt_ids)
+        peers = self._pullable(cached, prefills, now) if images is None else {}
+        info = RequestInfo(request_id, prompt_ids, self.block_size, cached, peers)
         prefill_candidates = with_rates(
             [self._workers[i].candidate(now, timeout) for i in prefills]
         )
@@ -240,7 +242,8 @@ class WorkerClient:
             return
         tracked.prefill = prefills[plan.prefill]
         chosen = prefill_candidates[plan.prefill]
-        tracked.prefill_tokens = len(prompt_ids) - info.cached_tokens(chosen)
+        have = info.cached_tokens(chosen) + info.pullable_tokens(chosen)
+        tracked.prefill_tokens = len(prompt_ids) - have
         self._workers[tracked.prefill].prefill_tokens += tracked.prefill_tokens
         d = self._workers[decode].endpoint
         prefill_id = self._workers[tracked.prefill].endpoint.worker_id
@@ -275,6 +278,19 @@ class WorkerClient:
         if self.router.prefill_policy.name != "cache_aware" and len(self._prefill) < 2:
             return {}
         return self.prefix.cached_blocks(prompt_ids)
+
+    def _pullable(
+        self, cached: Mapping[str, int], prefills: list[int], now: float
+    ) -> dict[str, int]:
+        """Live prefill worker -> the prompt's leading blocks it could send to a peer."""
+        if not cached or len(prefills) < 2:
+            return {}
+        live = [
+            self._workers[i]
+            for i in prefills
+            if self._workers[i].healthy(now, self.heartbeat_timeout_s)
+        ]
+        return {w.endpoint.worker_id: _holds(cached, w) for w in live}
 
     def _peer(self, info: RequestInfo, prefills: list[int], chosen: int) -> msg.PeerPrefix | None:
         """A live prefill worker holding more of the prompt than the chosen one and its
