@@ -78,3 +78,43 @@ def test_dead_peer_is_a_transfer_error_then_a_new_generation_works(store: StoreA
         receiver.recv("p", 2, out)
         assert torch.equal(out, _tensor(index, shape))
     fresh.join(timeout=TIMEOUT_S)
+
+
+def _both_ways(store: StoreAddress, me: str, other: str, results: Any) -> None:
+    """Send to the other worker and receive from it at the same time, each on its own thread,
+    with both channels still to be created (as two prefill workers pulling from each other)."""
+    import threading
+
+    transport = KVTransport(me, store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    got = torch.empty(4)
+    threads = [
+        threading.Thread(target=transport.send, args=(other, 5, torch.full((4,), float(len(me))))),
+        threading.Thread(target=transport.recv, args=(other, 5, got)),
+    ]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results.put((me, got.tolist(), time.monotonic() - start))
+
+
+def test_two_workers_sending_to_each_other_do_not_wait_on_each_other(store: StoreAddress) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    processes = [
+        ctx.Process(target=_both_ways, args=(store, me, other, results), daemon=True)
+        for me, other in (("a", "bb"), ("bb", "a"))
+    ]
+    for process in processes:
+        process.start()
+    answers = {}
+    for _ in processes:
+        me, got, seconds = results.get(timeout=60)
+        answers[me] = (got, seconds)
+    for process in processes:
+        process.join(timeout=10)
+    assert answers["a"][0] == [2.0] * 4 and answers["bb"][0] == [1.0] * 4
+    # A creation waiting, lock held, for a partner blocked on its own lock would only end at
+    # the transport timeout (20 s here) with a TransferError.
+    assert max(seconds for _, seconds in answers.values()) < TIMEOUT_S / 2

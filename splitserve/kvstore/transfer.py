@@ -50,6 +50,14 @@ class TransferError(RuntimeError):
     """A channel failed or timed out; the caller drops it and frees what it reserved."""
 
 
+@dataclass
+class _Channel:
+    """One (sender, receiver, generation) group, created once by whichever thread asks first."""
+
+    lock: threading.Lock
+    group: Any = None
+
+
 class KVTransport:
     """This worker's channels to its peers; thread-safe, one process group per pair."""
 
@@ -66,7 +74,7 @@ class KVTransport:
         self.backend = pick_backend(backend, device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(store.host, store.port, is_master=False, timeout=self.timeout)
-        self._groups: dict[tuple[str, str, int], Any] = {}
+        self._groups: dict[tuple[str, str, int], _Channel] = {}
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -92,17 +100,24 @@ class KVTransport:
             self._groups.pop((sender, receiver, generation), None)
 
     def _group(self, sender: str, receiver: str, generation: int, rank: int) -> Any:
+        """The pair's process group, created on first use. Creating one waits for the other
+        side to join, so only that channel's lock is held meanwhile: with one lock for all,
+        two workers that each send to the other (prefill workers pulling prefixes from each
+        other) would each wait, lock held, for a partner blocked on its own lock."""
         key = (sender, receiver, generation)
         with self._lock:
-            group = self._groups.get(key)
-            if group is None:
+            channel = self._groups.setdefault(key, _Channel(threading.Lock()))
+        with channel.lock:
+            if channel.group is None:
                 prefix = dist.PrefixStore(f"kv/{sender}->{receiver}/{generation}", self._store)
                 try:
-                    group = self._new_group(prefix, rank)
+                    channel.group = self._new_group(prefix, rank)
                 except RuntimeError as exc:
+                    with self._lock:
+                        if self._groups.get(key) is channel:
+                            del self._groups[key]
                     raise TransferError(f"cannot connect {sender}->{receiver}: {exc}") from exc
-                self._groups[key] = group
-        return group
+            return channel.group
 
     def _new_group(self, store: Any, rank: int) -> Any:
         if self.backend == "gloo":
