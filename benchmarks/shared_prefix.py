@@ -106,7 +106,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
-    hits = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("device", "host", "disk")}
+    hits = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("device", "host", "disk", "remote")}
     queries = after.get("queries", 0.0) - before.get("queries", 0.0)
     return {
         "policy": policy,
