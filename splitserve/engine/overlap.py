@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.request import Request
+from splitserve.engine.sampler import plain_greedy
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 
 
@@ -58,17 +59,7 @@ class InflightStep:
 
 def overlappable(req: Request) -> bool:
     """The device alone can choose this request's next token (a plain argmax)."""
-    p = req.params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and not p.frequency_penalty
-        and not p.presence_penalty
-        and req.num_output_tokens >= p.min_tokens
-        and not req.prefill_only
-        and not req.is_finished
-    )
+    return plain_greedy(req) and not req.prefill_only and not req.is_finished
 
 
 def is_decode_batch(batch: ScheduledBatch, max_batch: int) -> bool:

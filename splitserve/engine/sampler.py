@@ -28,7 +28,7 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
         """logits: [len(reqs), vocab] float32 on any device."""
-        if all(_plain_greedy(r) for r in reqs):
+        if all(plain_greedy(r) for r in reqs):
             return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
         logits = logits.float().cpu()
         raw = logits
@@ -52,7 +52,8 @@ class Sampler:
         return int(torch.argmax(probs / noise))
 
 
-def _plain_greedy(req: Request) -> bool:
+def plain_greedy(req: Request) -> bool:
+    """The next token is the argmax of the raw logits: nothing to apply, nothing to report."""
     p = req.params
     return (
         p.greedy
