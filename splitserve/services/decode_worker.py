@@ -22,9 +22,9 @@ import zmq
 
 from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.request import RequestOutput
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError
+from splitserve.kvstore.transfer import TransferError
 from splitserve.services import messages as msg
-from splitserve.services.workers import EngineWorker, engine_position
+from splitserve.services.workers import EngineWorker, engine_position, open_transport
 
 QUEUE_POLL_S = 0.1
 PENDING_POLL_MS = 2
@@ -45,14 +45,9 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def _setup(self) -> None:
-        assert self.store is not None, "a decode worker needs the rendezvous store"
         self.timeout_s = float(self.transfer.get("timeout_s", 30.0))
-        self.transport = KVTransport(
-            self.worker_id,
-            StoreAddress(self.store[0], int(self.store[1])),
-            torch.device(self.config.device),
-            self.transfer.get("backend", "auto"),
-            self.timeout_s,
+        self.transport = open_transport(
+            self.worker_id, self.store, self.config.device, self.transfer
         )
         self._headers = self._ctx.socket(zmq.PULL)
         port = self._headers.bind_to_random_port(f"tcp://{self.bind_host}")

@@ -28,12 +28,12 @@ import zmq
 
 from splitserve.engine.kv_handoff import Prefilled
 from splitserve.engine.multimodal import ImageInput
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError
+from splitserve.kvstore.transfer import TransferError
 from splitserve.services import messages as msg
 from splitserve.services.embedding_inbox import EmbeddingInbox
 from splitserve.services.image_waits import ImageWaits, split_embeddings
 from splitserve.services.peer_blocks import PeerFetches, gather_prefix, peer_header
-from splitserve.services.workers import EngineWorker, wire_position
+from splitserve.services.workers import EngineWorker, open_transport, wire_position
 
 QUEUE_POLL_S = 0.1
 PENDING_POLL_MS = 2
@@ -61,13 +61,8 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def _setup(self) -> None:
-        assert self.store is not None, "a prefill worker needs the rendezvous store"
-        self.transport = KVTransport(
-            self.worker_id,
-            StoreAddress(self.store[0], int(self.store[1])),
-            torch.device(self.config.device),
-            self.transfer.get("backend", "auto"),
-            self.transfer.get("timeout_s", 30.0),
+        self.transport = open_transport(
+            self.worker_id, self.store, self.config.device, self.transfer
         )
         self._routes: dict[str, _Route] = {}
         self._outboxes: dict[str, queue.Queue[_Outgoing]] = {}

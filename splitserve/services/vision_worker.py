@@ -26,10 +26,10 @@ import zmq
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.image_inputs import DEFAULT_MAX_PIXELS, ImageError, decode_image
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError
+from splitserve.kvstore.transfer import TransferError
 from splitserve.services import messages as msg
 from splitserve.services.encoder_cache import EncoderCache
-from splitserve.services.workers import IDLE_POLL_MS, STATS_INTERVAL_S, WorkerInfo
+from splitserve.services.workers import IDLE_POLL_MS, STATS_INTERVAL_S, WorkerInfo, open_transport
 
 QUEUE_POLL_S = 0.1
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -92,13 +92,8 @@ class VisionWorker:
             torch.set_num_threads(self.threads)
         path = resolve_model(self.config.model)
         self.encoder = VisionEncoder(path, self.config.device, resolve_dtype(self.config))
-        assert self.store is not None, "a vision worker needs the rendezvous store"
-        self.transport = KVTransport(
-            self.worker_id,
-            StoreAddress(self.store[0], int(self.store[1])),
-            torch.device(self.config.device),
-            self.transfer.get("backend", "auto"),
-            self.transfer.get("timeout_s", 30.0),
+        self.transport = open_transport(
+            self.worker_id, self.store, self.config.device, self.transfer
         )
         self._ctx = zmq.Context()
         self._requests = self._ctx.socket(zmq.PULL)

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zmq
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import Logprob, RequestOutput
+from splitserve.kvstore.transfer import KVTransport, StoreAddress
 from splitserve.services import messages as msg
 from splitserve.services.worker_cache import WorkerCache
 
@@ -270,6 +272,21 @@ class EngineWorker:
             node_id=self.cache.node_id if self.cache is not None else "",
         )
         self._send(stats)
+
+
+def open_transport(
+    worker_id: str, store: list[Any] | None, device: str, transfer: dict[str, Any]
+) -> KVTransport:
+    """A worker's KV transport, from the rendezvous store address and the transfer config
+    its actor was given (services/launch.py)."""
+    assert store is not None, f"worker {worker_id} needs the rendezvous store"
+    return KVTransport(
+        worker_id,
+        StoreAddress(store[0], int(store[1])),
+        torch.device(device),
+        transfer.get("backend", "auto"),
+        float(transfer.get("timeout_s", 30.0)),
+    )
 
 
 def worker_class(role: str) -> type[EngineWorker]:
