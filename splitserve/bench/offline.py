@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-overlap", action="store_true", help="synchronous decode steps (the baseline)"
     )
+    parser.add_argument(
+        "--no-fused-decode",
+        action="store_true",
+        help="small batches run norm, projection and SiLU as separate kernels (the baseline)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
@@ -49,7 +54,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from splitserve.bench.roofline import measure_ceilings
     from splitserve.engine.llm import LLM
     from splitserve.engine.loader import resolve_model
+    from splitserve.kernels.dispatch import set_fused_small_batch
 
+    set_fused_small_batch(not args.no_fused_decode)
     model = f"shape:{args.shape}" if args.shape else args.model
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     longest = max(args.input_len + args.output_len, args.prefill_len + 1)

@@ -13,6 +13,7 @@ from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.multimodal import step_embeddings, touches_images
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
+from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,7 +122,7 @@ class ModelRunner:
         stays on the device (inputs for the next step) and its copy to the host is queued."""
         assert self.overlapped is not None
         logits, _ = self.overlapped.run(batch, prev)
-        return InflightStep.start(batch, logits.argmax(dim=-1))
+        return InflightStep.start(batch, greedy_tokens(logits))
 
     def _prepare(
         self, batch: ScheduledBatch, image_segments: list[tuple[int, Request, int, int]]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.request import Logprob, Request
+from splitserve.kernels.dispatch import use_kernels
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
         """logits: [len(reqs), vocab] float32 on any device."""
         if all(plain_greedy(r) for r in reqs):
-            return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampleResult(t) for t in greedy_tokens(logits).tolist()]
         logits = logits.float().cpu()
         raw = logits
         if any(r.params.logprobs is not None for r in reqs):
@@ -50,6 +51,15 @@ class Sampler:
         generator = req.generator or self.generator
         noise = torch.empty_like(probs).exponential_(generator=generator)
         return int(torch.argmax(probs / noise))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax: the two-launch Triton kernel on the GPU (kernels/argmax.py)."""
+    if use_kernels(logits):
+        from splitserve.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def plain_greedy(req: Request) -> bool:

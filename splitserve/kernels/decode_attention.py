@@ -124,6 +124,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     (padded); context_lens [B] -> [B, H, D]. Written into ``out`` when given."""
@@ -154,7 +155,7 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, PAD_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAD_D=pad_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
+        NUM_SPLITS=splits, PRECISION=_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](

@@ -1,4 +1,5 @@
-"""Rotary position embedding, rotate-half layout, for q and k in one launch.
+"""Rotary position embedding, rotate-half layout, for q and k in one launch, alone or fused
+with the paged K/V write (``rotary_kv_write``: one launch where there were two).
 
 cos/sin are the model's float32 tables [max_positions, head_dim] (both halves equal) indexed by
 each token's position. Products and sums are rounded to the input dtype like the torch code.
@@ -13,21 +14,36 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, token, heads, c, s,
+    src, dst, stride_src_h, stride_dst_h, heads, c, s,
     HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HALF: tl.constexpr,
 ):  # fmt: skip
+    """Rotates ``heads`` heads of one token from src to dst (both at the token's first head)."""
     h = tl.arange(0, PAD_H)
     d = tl.arange(0, PAD_HALF)
     mask = (h < heads)[:, None] & (d < HALF)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    src = x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = dst.dtype.element_ty
+    src_tile = src + h[:, None] * stride_src_h + d[None, :]
+    x1 = tl.load(src_tile, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_tile + HALF, mask=mask, other=0.0).to(tl.float32)
     lo = (x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)
     hi = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    dst = out_ptr + token * stride_ot + h[:, None] * stride_oh + d[None, :]
-    tl.store(dst, lo.to(dtype), mask=mask)
-    tl.store(dst + HALF, hi.to(dtype), mask=mask)
+    dst_tile = dst + h[:, None] * stride_dst_h + d[None, :]
+    tl.store(dst_tile, lo.to(dtype), mask=mask)
+    tl.store(dst_tile + HALF, hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def _cos_sin(
+    pos_ptr, cos_ptr, sin_ptr, token, stride_cos,
+    dtype: tl.constexpr, HALF: tl.constexpr, PAD_HALF: tl.constexpr,
+):  # fmt: skip
+    """cos and sin of the token's position, rounded to the activation dtype, as [1, HALF]."""
+    pos = tl.load(pos_ptr + token)
+    d = tl.arange(0, PAD_HALF)
+    dmask = d < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    return c[None, :], s[None, :]
 
 
 @triton.jit
@@ -38,18 +54,39 @@ def _rotary_kernel(
     HALF: tl.constexpr, PAD_HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HKV: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    pos = tl.load(pos_ptr + token)
-    d = tl.arange(0, PAD_HALF)
-    dmask = d < HALF
     dtype = q_out_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    c = c[None, :]
-    s = s[None, :]
-    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token,
-                  num_heads, c, s, HALF, PAD_H, PAD_HALF)  # fmt: skip
-    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token,
-                  num_kv_heads, c, s, HALF, PAD_HKV, PAD_HALF)  # fmt: skip
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, PAD_HALF)
+    _rotate_heads(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh,
+                  stride_qoh, num_heads, c, s, HALF, PAD_H, PAD_HALF)  # fmt: skip
+    _rotate_heads(k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh,
+                  stride_koh, num_kv_heads, c, s, HALF, PAD_HKV, PAD_HALF)  # fmt: skip
+
+
+@triton.jit
+def _rotary_kv_write_kernel(
+    pos_ptr, cos_ptr, sin_ptr, qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_cos, stride_qkv, stride_qot, stride_qoh, stride_cb, stride_cs, stride_ch,
+    num_heads, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
+    PAD_HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HKV: tl.constexpr, PAD_D: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    dtype = q_out_ptr.dtype.element_ty
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, PAD_HALF)
+    row = qkv_ptr + token * stride_qkv
+    _rotate_heads(row, q_out_ptr + token * stride_qot, HEAD_DIM, stride_qoh, num_heads, c, s,
+                  HALF, PAD_H, PAD_HALF)  # fmt: skip
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        k_src = row + num_heads * HEAD_DIM
+        _rotate_heads(k_src, k_cache_ptr + at, HEAD_DIM, stride_ch, num_kv_heads, c, s,
+                      HALF, PAD_HKV, PAD_HALF)  # fmt: skip
+        h = tl.arange(0, PAD_HKV)[:, None]
+        d = tl.arange(0, PAD_D)[None, :]
+        mask = (h < num_kv_heads) & (d < HEAD_DIM)
+        v = tl.load(k_src + num_kv_heads * HEAD_DIM + h * HEAD_DIM + d, mask=mask)
+        tl.store(v_cache_ptr + at + h * stride_ch + d, v, mask=mask)
 
 
 def rotary_embedding(
@@ -74,6 +111,40 @@ def rotary_embedding(
         PAD_HKV=triton.next_power_of_2(k.shape[1]),
     )  # fmt: skip
     return q_out, k_out
+
+
+def rotary_kv_write(
+    positions: torch.Tensor,
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """One launch for rotary and the K/V write: qkv [T, (H + 2 * Hkv) * D] (q | k | v) ->
+    the rotated q [T, H, D]; the rotated k and v go to the paged caches at their slots
+    (negative slots are padding and skipped). Caches are [blocks, block_size, Hkv, D]."""
+    tokens = qkv.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.dtype == qkv.dtype and slot_mapping.is_contiguous()
+    q_out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rotary_kv_write_kernel[(tokens,)](
+        positions, cos, sin, qkv, q_out, k_cache, v_cache, slot_mapping,
+        cos.stride(0), qkv.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_heads, num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HALF=half,
+        PAD_HALF=triton.next_power_of_2(half), PAD_H=triton.next_power_of_2(num_heads),
+        PAD_HKV=triton.next_power_of_2(num_kv_heads), PAD_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+    return q_out
 
 
 def rotary_embedding_ref(

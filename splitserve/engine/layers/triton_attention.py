@@ -1,9 +1,9 @@
 """Attention backend on the Triton kernels of ``splitserve.kernels``.
 
-The K/V write, paged decode attention and varlen paged prefill attention each run as one launch
-for the whole step. The prefill kernel takes the step's prefill segments as tensors (row starts,
-lengths, context lengths, a padded block table); they are built once per step, on the first
-layer that sees the metadata, and reused by the other layers.
+Rotary fused with the K/V write, paged decode attention and varlen paged prefill attention each
+run as one launch for the whole step. The prefill kernel takes the step's prefill segments as
+tensors (row starts, lengths, context lengths, a padded block table); they are built once per
+step, on the first layer that sees the metadata, and reused by the other layers.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels.decode_attention import paged_decode_attention
 from splitserve.kernels.kv_write import write_kv_cache
 from splitserve.kernels.prefill_attention import paged_prefill_attention
+from splitserve.kernels.rotary import rotary_kv_write
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,27 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        q = q.contiguous()
+        return self._attend(q.contiguous(), k_cache, v_cache, meta)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotary and the K/V write in one launch, then attention over the cache."""
+        q = rotary_kv_write(
+            positions, qkv, self.num_heads, rotary.cos, rotary.sin, k_cache, v_cache,
+            meta.slot_mapping,
+        )  # fmt: skip
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         n = meta.num_decode_tokens
         if n:

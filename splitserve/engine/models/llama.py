@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2): GQA, RoPE, SwiGLU, RMSNorm.
 
 Q/K/V and gate/up projections are fused into one matmul each; ``load_weights`` maps the
-Hugging Face names onto the fused slices.
+Hugging Face names onto the fused slices. Each norm is applied by the projection after it
+(``layers/linear.norm_linear``), which fuses them into one kernel at small batch on the GPU.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.layers.linear import linear, norm_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
@@ -39,18 +40,16 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (o_proj(attention(norm(x + residual))), x + residual)."""
+        qkv, residual = norm_linear(x, residual, norm, self.qkv_proj)
+        out = self.backend.forward_qkv(qkv, positions, rotary, self.k_cache, self.v_cache, meta)
+        return linear(out.reshape(-1, self.q_size), self.o_proj), residual
 
 
 class LlamaMLP(nn.Module):
@@ -59,8 +58,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (down(silu(gate) * up) of norm(x + residual), x + residual)."""
+        act, residual = norm_linear(x, residual, norm, self.gate_up_proj, gated=True)
+        return linear(act, self.down_proj), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,13 +86,8 @@ class LlamaDecoderLayer(nn.Module):
 
         ``x`` is the previous layer's MLP output (the embeddings at layer 0, residual None).
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, positions, rotary, meta)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.self_attn(x, residual, self.input_layernorm, positions, rotary, meta)
+        return self.mlp(h, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):

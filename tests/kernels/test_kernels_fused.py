@@ -1,0 +1,173 @@
+"""The small-batch decode kernels against their references: the fused norm + projection (+ SiLU),
+the fused rotary + K/V write and the two-launch argmax; then the whole model on every kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.kernels import skinny_linear as skinny_module
+from splitserve.kernels.argmax import argmax_rows
+from splitserve.kernels.dispatch import set_kernels_on_cpu
+from splitserve.kernels.kv_write import write_kv_cache_ref
+from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
+from splitserve.kernels.skinny_linear import Tiles, skinny_linear, skinny_linear_ref
+
+# Triton's interpreter computes bfloat16 dots on raw bits: bfloat16 runs on the GPU only
+# (benchmarks/gpu_fastpath.py checks it there).
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "gated", "residual", "norm", "bias"),
+    [
+        (1, 96, 80, False, False, False, False),
+        (1, 200, 300, True, True, True, False),
+        (16, 48, 64, False, True, True, True),
+        (5, 40, 72, False, False, True, True),
+        (9, 33, 130, True, False, True, False),
+    ],
+)
+def test_skinny_linear_matches_the_separate_ops(
+    dtype: torch.dtype,
+    rows: int,
+    n: int,
+    k: int,
+    gated: bool,
+    residual: bool,
+    norm: bool,
+    bias: bool,
+) -> None:
+    torch.manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, dtype=dtype)
+    weight = torch.randn((2 if gated else 1) * n, k, dtype=dtype) / k**0.5
+    res = torch.randn_like(x) if residual else None
+    norm_weight = torch.randn(k, dtype=dtype) if norm else None
+    b = torch.randn(n, dtype=dtype) if bias else None
+    x_before = x.clone()
+    # Tiles smaller than the shapes, so that K and N both take several (ragged) tiles.
+    out, summed = skinny_linear(
+        x, weight, b, residual=res, norm_weight=norm_weight, gated=gated, tiles=Tiles(16, 32, 4, 2)
+    )
+    ref, ref_summed = skinny_linear_ref(
+        x, weight, b, residual=res, norm_weight=norm_weight, gated=gated
+    )
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if residual:
+        assert summed is not None and ref_summed is not None
+        assert torch.equal(summed, ref_summed)
+    else:
+        assert summed is None
+    assert torch.equal(x, x_before)
+
+
+def test_skinny_linear_refuses_a_residual_without_a_norm() -> None:
+    x = torch.randn(2, 32)
+    with pytest.raises(AssertionError, match="residual"):
+        skinny_linear(x, torch.randn(16, 32), residual=torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (6, 2, 64), (3, 1, 48)])
+def test_rotary_kv_write_equals_rotary_then_write(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    torch.manual_seed(heads + head_dim)
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    block_size, num_blocks, tokens = 16, 8, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.tensor([0, 5, 17, 100, 255, 3])
+    slots = torch.tensor([3, 40, -1, 127, 16, 0])  # -1: a padding row, skipped
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    q = rotary_kv_write(positions, qkv, heads, rotary.cos, rotary.sin, k_cache, v_cache, slots)
+
+    q_in, k_in, v_in = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q_expected, k_rot = rotary_embedding_ref(
+        positions,
+        q_in.view(tokens, heads, head_dim),
+        k_in.view(tokens, kv_heads, head_dim),
+        rotary.cos,
+        rotary.sin,
+    )
+    write_kv_cache_ref(k_rot, v_in.reshape(tokens, kv_heads, head_dim), k_ref, v_ref, slots)
+    tol = TOL[dtype] if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(q.float(), q_expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache.float(), k_ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("chunk", [64, 1024])
+def test_argmax_rows_takes_the_first_maximum_like_torch(chunk: int) -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(5, 3000)
+    logits[1, 2999] = 40.0  # the last column, in a ragged chunk
+    logits[2, 70] = logits[2, 2500] = 40.0  # a tie across chunks: the first wins
+    logits[3] = 0.0  # all equal: index 0
+    logits[4, :10] = float("-inf")
+    assert torch.equal(argmax_rows(logits, chunk), logits.argmax(-1))
+    assert torch.equal(argmax_rows(logits.half(), chunk), logits.half().argmax(-1))
+
+
+def _tiny_model(tokenizer: Any, path: Path, family: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+    )
+    if family == "llama":
+        LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(path)
+    else:  # q/k/v biases: the fused projection's bias epilogue
+        Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_model_on_every_kernel_gives_the_torch_tokens(
+    smollm2_tokenizer: Any, tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps (3 rows) take the fused small-batch path, prefill steps the separate
+    kernels; greedy tokens must equal the torch code's."""
+    path = _tiny_model(smollm2_tokenizer, tmp_path / family, family)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (4, 21, 33)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kwargs: dict[str, Any] = dict(model=path, max_model_len=96, block_size=16, num_kv_blocks=24)
+    reference = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
+    fused_rows: list[int] = []
+
+    def counted(x: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        fused_rows.append(x.shape[0])
+        return skinny_linear(x, *args, **kw)
+
+    monkeypatch.setattr(skinny_module, "skinny_linear", counted)
+    set_kernels_on_cpu(True)
+    try:
+        fused = LLM(**kwargs, attention_backend="triton").generate(prompts, params, use_tqdm=False)
+    finally:
+        set_kernels_on_cpu(False)
+    expected = [o.outputs[0].token_ids for o in reference]
+    assert [o.outputs[0].token_ids for o in fused] == expected
+    assert all(len(t) == 10 for t in expected)
+    # 9 decode steps of 3 rows, 4 projections per layer (2 of them with the norm fused in).
+    assert fused_rows.count(3) == 9 * 2 * 4 and max(fused_rows) == 3
