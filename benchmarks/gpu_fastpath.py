@@ -119,9 +119,22 @@ def _rotary_tables(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 CANDIDATES = [
-    Tiles(bn, bk, warps, stages)
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+    Tiles(bn, bk, warps, stages, use_dot=True)
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 6))
+] + [
+    Tiles(bn, bk, warps, stages, use_dot=False)
+    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))
+    if bn * bk <= 8192
 ]
+
+
+def try_us(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    """us(), or infinity for a tile choice the GPU cannot run (shared memory, registers)."""
+    try:
+        return us(fn, *args, **kwargs)
+    except Exception as exc:
+        print(f"skipped {kwargs.get('tiles')}: {type(exc).__name__}")
+        return float("inf")
 
 
 def projections(sweep: bool) -> list[dict[str, Any]]:
@@ -143,10 +156,16 @@ def projections(sweep: bool) -> list[dict[str, Any]]:
                 row["skinny_us"] = us(skinny_linear, x, w, gated=gated)
                 row["tiles"] = choose_tiles(n // 2 if gated else n, k).__dict__
                 if sweep and m == 1:
-                    best = min(
-                        (us(skinny_linear, x, w, gated=gated, tiles=t), t) for t in CANDIDATES
-                    )
-                    row["best_us"], row["best_tiles"] = best[0], best[1].__dict__
+                    timed = [
+                        (try_us(skinny_linear, x, w, gated=gated, tiles=t), t) for t in CANDIDATES
+                    ]
+                    best_dot = min((r for r in timed if r[1].use_dot), key=lambda r: r[0])
+                    best_reg = min((r for r in timed if not r[1].use_dot), key=lambda r: r[0])
+                    row["best_dot_us"], row["best_dot_tiles"] = best_dot[0], best_dot[1].__dict__
+                    row["best_reg_us"], row["best_reg_tiles"] = best_reg[0], best_reg[1].__dict__
+                    row["sweep"] = [
+                        {"us": t_us, **t.__dict__} for t_us, t in timed if t_us < float("inf")
+                    ]
                 row["skinny_gbps"] = nbytes / row["skinny_us"] / 1e3
                 row["cublas_gbps"] = nbytes / row["cublas_us"] / 1e3
                 if name in ("qkv", "gate_up"):
@@ -184,7 +203,7 @@ def attention() -> list[dict[str, Any]]:
             ref = decode_attention.paged_decode_attention_ref(*args)
             variants: list[tuple[int | None, int | None, int]] = [(None, None, 4)]
             if batch == 1:
-                variants += list(itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (2, 4)))
+                variants += list(itertools.product((8, 16, 32), (16, 32, 64, 128), (2, 4)))
             for splits, block_n, warps in variants:
                 kw = dict(num_splits=splits, block_n=block_n, num_warps=warps)
                 fn = decode_attention.paged_decode_attention
@@ -211,6 +230,7 @@ def argmax_rows() -> list[dict[str, Any]]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
@@ -223,7 +243,7 @@ def main() -> int:
         "checks": checks(),
         "argmax": argmax_rows(),
         "projections": projections(args.sweep),
-        "attention": attention(),
+        "attention": [] if args.skip_attention else attention(),
     }
     out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
     out.mkdir(parents=True, exist_ok=True)
@@ -235,8 +255,9 @@ def main() -> int:
               f"triton {a['triton_us']:.1f} us")  # fmt: skip
     for p in result["projections"]:
         extra = ""
-        if "best_us" in p:
-            extra += f" best {p['best_us']:.1f} {tuple(p['best_tiles'].values())}"
+        if "best_dot_us" in p:
+            extra += f" dot {p['best_dot_us']:.1f} {tuple(p['best_dot_tiles'].values())[:4]}"
+            extra += f" reg {p['best_reg_us']:.1f} {tuple(p['best_reg_tiles'].values())[:4]}"
         if "fused_us" in p:
             extra += f" fused {p['fused_us']:.1f} vs separate {p['separate_us']:.1f}"
         print(f"{p['shape']:<13} {p['proj']:<8} m={p['m']:<3} cublas {p['cublas_us']:7.1f} "

@@ -32,7 +32,8 @@ def _skinny_linear_kernel(
     M, N, K, eps,
     stride_x, stride_res, stride_res_out, stride_w, stride_out, up_offset,
     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,8 +60,12 @@ def _skinny_linear_kernel(
             sum_sq += tl.sum(a32 * a32, 1)
         rstd = tl.rsqrt(sum_sq / K + eps)
 
+    # One row (USE_DOT false): products summed along K in registers, no shared memory; more
+    # rows: tensor-core dots over BLOCK_M rows.
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_k = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_k_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k_base
@@ -76,10 +81,20 @@ def _skinny_linear_kernel(
             a = (normed.to(tl.float32) * nw[None, :]).to(dtype)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
         if GATED:
             u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, tl.trans(u), input_precision=PRECISION)
+        if USE_DOT:
+            acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+            if GATED:
+                acc_up += tl.dot(a, tl.trans(u), input_precision=PRECISION)
+        else:
+            a32 = a.to(tl.float32)  # [1, BLOCK_K]
+            acc_k += w.to(tl.float32) * a32
+            if GATED:
+                acc_k_up += u.to(tl.float32) * a32
+    if not USE_DOT:
+        acc = tl.sum(acc_k, 1)[None, :]
+        acc_up = tl.sum(acc_k_up, 1)[None, :]
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -98,6 +113,7 @@ class Tiles:
     block_k: int
     num_warps: int
     num_stages: int
+    use_dot: bool = True
 
 
 MAX_ROWS = 16
@@ -140,7 +156,9 @@ def skinny_linear(
     if rows == 0:
         return out, res_out
     t = tiles or choose_tiles(n, k)
-    grid = (triton.cdiv(n, t.block_n), triton.cdiv(rows, MAX_ROWS))
+    block_m = MAX_ROWS if t.use_dot else 1
+    assert t.use_dot or rows == 1, "the register (non-dot) variant computes one row"
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(rows, block_m))
     res = x if residual is None else residual
     assert res.stride(1) == 1
     _skinny_linear_kernel[grid](
@@ -151,7 +169,7 @@ def skinny_linear(
         weight.stride(0), out.stride(0), n * weight.stride(0),
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, GATED=gated,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        USE_DOT=t.use_dot, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out, res_out
