@@ -4,13 +4,13 @@ Run on the GPU machine from the repository root:
 
     python3 benchmarks/gpu_fastpath.py [--sweep]
 
-1. bfloat16 checks: the fused norm + projection (plain, with residual, gated, with bias), the
+1. bfloat16 checks: the GEMV (plain, with norm and residual, gated, with bias), the
    fused rotary + K/V write, the two-launch argmax, each against its torch reference.
 2. Timings inside CUDA graphs (``triton.testing.do_bench_cudagraph``, so launch gaps count as
-   they do in a decode step): each projection of the Llama-3-8B and SmolLM2-135M shapes at 1
-   and 16 rows, skinny_linear (the engine's tile choice; with --sweep every tile candidate)
-   beside cuBLAS; norm + projection (+ SiLU) fused beside the separate kernels; decode
-   attention at batch 1 for several split / tile choices; argmax beside torch's.
+   they do in a decode step): each projection of the Llama-3-8B and SmolLM2-135M shapes at one
+   row, the GEMV (the engine's tile choice; with --sweep every tile candidate) beside cuBLAS;
+   after a norm, the three decode paths (fused, norm kernel + GEMV, norm + cuBLAS + SiLU);
+   decode attention at batch 1 for several split / tile choices; argmax beside torch's.
 
 Prints a table; writes JSON to $OUT/fastpath.json (default benchmarks/results).
 """
@@ -36,12 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from splitserve.kernels import activation, argmax, decode_attention, rmsnorm, rotary  # noqa: E402
-from splitserve.kernels.skinny_linear import (  # noqa: E402
-    Tiles,
-    choose_tiles,
-    skinny_linear,
-    skinny_linear_ref,
-)
+from splitserve.kernels.gemv import Tiles, choose_tiles, gemv, gemv_ref  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -65,24 +60,24 @@ def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def checks() -> list[dict[str, Any]]:
     rows = []
     torch.manual_seed(0)
-    for m, n, k, gated, res, bias in [
-        (1, 6144, 4096, False, True, False),
-        (1, 14336, 4096, True, True, False),
-        (16, 960, 576, False, True, True),
-        (7, 576, 1536, False, False, False),
+    for n, k, gated, res, bias in [
+        (6144, 4096, False, True, False),
+        (14336, 4096, True, True, False),
+        (960, 576, False, True, True),
+        (576, 1536, False, False, False),
     ]:
-        x = torch.randn(m, k, dtype=BF16, device=DEV)
+        x = torch.randn(1, k, dtype=BF16, device=DEV)
         w = torch.randn((2 if gated else 1) * n, k, dtype=BF16, device=DEV) / k**0.5
         r = torch.randn_like(x) if res else None
         nw = torch.randn(k, dtype=BF16, device=DEV) if res else None
         b = torch.randn(n, dtype=BF16, device=DEV) if bias else None
-        out, summed = skinny_linear(x, w, b, residual=r, norm_weight=nw, gated=gated)
-        ref, ref_sum = skinny_linear_ref(x, w, b, residual=r, norm_weight=nw, gated=gated)
+        out, summed = gemv(x, w, b, residual=r, norm_weight=nw, gated=gated)
+        ref, ref_sum = gemv_ref(x, w, b, residual=r, norm_weight=nw, gated=gated)
         err = max_err(out, ref)
         if r is not None:
             assert summed is not None and ref_sum is not None
             err = max(err, max_err(summed, ref_sum))
-        name = f"skinny m={m} n={n} k={k} gated={gated} res={res} bias={bias}"
+        name = f"gemv n={n} k={k} gated={gated} res={res} bias={bias}"
         rows.append({"check": name, "max_err": err, "ok": err <= 1.6e-2})
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
@@ -119,11 +114,8 @@ def _rotary_tables(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 CANDIDATES = [
-    Tiles(bn, bk, warps, stages, use_dot=True)
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 6))
-] + [
-    Tiles(bn, bk, warps, stages, use_dot=False)
-    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))
+    Tiles(bn, bk, warps)
+    for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))
     if bn * bk <= 8192
 ]
 
@@ -138,6 +130,7 @@ def try_us(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
 
 
 def projections(sweep: bool) -> list[dict[str, Any]]:
+    """One row: cuBLAS beside the GEMV; after a norm, the three decode paths of the engine."""
     rows = []
     for shape, (hidden, heads, kv_heads, dim, inter, _) in SHAPES.items():
         projs = {
@@ -148,34 +141,35 @@ def projections(sweep: bool) -> list[dict[str, Any]]:
         }
         for name, (n, k, gated) in projs.items():
             w = torch.randn(n, k, dtype=BF16, device=DEV) / k**0.5
+            x = torch.randn(1, k, dtype=BF16, device=DEV)
             nbytes = w.numel() * w.element_size()
-            for m in (1, 16):
-                x = torch.randn(m, k, dtype=BF16, device=DEV)
-                row: dict[str, Any] = {"shape": shape, "proj": name, "m": m, "n": n, "k": k}
-                row["cublas_us"] = us(F.linear, x, w)
-                row["skinny_us"] = us(skinny_linear, x, w, gated=gated)
-                row["tiles"] = choose_tiles(n // 2 if gated else n, k).__dict__
-                if sweep and m == 1:
-                    timed = [
-                        (try_us(skinny_linear, x, w, gated=gated, tiles=t), t) for t in CANDIDATES
-                    ]
-                    best_dot = min((r for r in timed if r[1].use_dot), key=lambda r: r[0])
-                    best_reg = min((r for r in timed if not r[1].use_dot), key=lambda r: r[0])
-                    row["best_dot_us"], row["best_dot_tiles"] = best_dot[0], best_dot[1].__dict__
-                    row["best_reg_us"], row["best_reg_tiles"] = best_reg[0], best_reg[1].__dict__
-                    row["sweep"] = [
-                        {"us": t_us, **t.__dict__} for t_us, t in timed if t_us < float("inf")
-                    ]
-                row["skinny_gbps"] = nbytes / row["skinny_us"] / 1e3
-                row["cublas_gbps"] = nbytes / row["cublas_us"] / 1e3
-                if name in ("qkv", "gate_up"):
-                    res, nw = torch.randn_like(x), torch.randn(k, dtype=BF16, device=DEV)
-                    row["fused_us"] = us(
-                        skinny_linear, x, w, residual=res, norm_weight=nw, gated=gated
-                    )
-                    row["separate_us"] = us(_separate, x, res, nw, w, gated)
-                rows.append(row)
+            row: dict[str, Any] = {"shape": shape, "proj": name, "n": n, "k": k}
+            row["tiles"] = choose_tiles(n // 2 if gated else n, k, gated, DEV).__dict__
+            row["cublas_us"] = us(F.linear, x, w)
+            row["gemv_us"] = us(gemv, x, w, gated=gated)
+            row["gemv_gbps"] = nbytes / row["gemv_us"] / 1e3
+            row["cublas_gbps"] = nbytes / row["cublas_us"] / 1e3
+            if sweep:
+                timed = [(try_us(gemv, x, w, gated=gated, tiles=t), t) for t in CANDIDATES]
+                best = min(timed, key=lambda r: r[0])
+                row["best_us"], row["best_tiles"] = best[0], best[1].__dict__
+                row["sweep"] = [{"us": t_us, **t.__dict__} for t_us, t in timed]
+            if name in ("qkv", "gate_up"):
+                res, nw = torch.randn_like(x), torch.randn(k, dtype=BF16, device=DEV)
+                row["path_us"] = {
+                    "fused": us(gemv, x, w, residual=res, norm_weight=nw, gated=gated),
+                    "gemv": us(_norm_then_gemv, x, res, nw, w, gated),
+                    "separate": us(_separate, x, res, nw, w, gated),
+                }
+            rows.append(row)
     return rows
+
+
+def _norm_then_gemv(
+    x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, gated: bool
+) -> torch.Tensor:
+    h, _ = rmsnorm.fused_add_rms_norm(x, res, nw, 1e-5)
+    return gemv(h, w, gated=gated)[0]
 
 
 def _separate(
@@ -255,14 +249,13 @@ def main() -> int:
               f"triton {a['triton_us']:.1f} us")  # fmt: skip
     for p in result["projections"]:
         extra = ""
-        if "best_dot_us" in p:
-            extra += f" dot {p['best_dot_us']:.1f} {tuple(p['best_dot_tiles'].values())[:4]}"
-            extra += f" reg {p['best_reg_us']:.1f} {tuple(p['best_reg_tiles'].values())[:4]}"
-        if "fused_us" in p:
-            extra += f" fused {p['fused_us']:.1f} vs separate {p['separate_us']:.1f}"
-        print(f"{p['shape']:<13} {p['proj']:<8} m={p['m']:<3} cublas {p['cublas_us']:7.1f} "
-              f"({p['cublas_gbps']:5.0f} GB/s) skinny {p['skinny_us']:7.1f} "
-              f"({p['skinny_gbps']:5.0f} GB/s){extra}")  # fmt: skip
+        if "best_us" in p:
+            extra += f" best {p['best_us']:.1f} {tuple(p['best_tiles'].values())[:3]}"
+        if "path_us" in p:
+            extra += " | after norm: " + " ".join(f"{k} {v:.1f}" for k, v in p["path_us"].items())
+        print(f"{p['shape']:<13} {p['proj']:<8} cublas {p['cublas_us']:6.1f} "
+              f"({p['cublas_gbps']:5.0f} GB/s) gemv {p['gemv_us']:6.1f} "
+              f"({p['gemv_gbps']:5.0f} GB/s){extra}")  # fmt: skip
     for shape in SHAPES:
         for batch in (1, 64):
             rows = [r for r in result["attention"] if r["shape"] == shape and r["batch"] == batch]

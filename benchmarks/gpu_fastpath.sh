@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The small-batch decode path on one GPU: the fused norm + projection (+ SiLU) kernels beside
-# the separate kernels (--no-fused-decode) in the same run, end to end (Llama-3-8B batch 1 and
+# The batch-1 decode path on one GPU, its three variants in the same run (--decode-path fused:
+# GEMV kernels with RMSNorm and SiLU folded in; gemv: GEMV kernels, RMSNorm on its own;
+# separate: cuBLAS and separate kernels, the earlier path), end to end (Llama-3-8B batch 1 and
 # 64 at 1k context, SmolLM2-135M batch 1), after the GPU correctness check; then the kernel
 # checks and timings of benchmarks/gpu_fastpath.py. Results go to $OUT (default
 # benchmarks/results).
@@ -17,13 +18,14 @@ bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline
     --attention-backend triton "$@"; }
 
 step "$PY" benchmarks/gpu_check.py
-for mode in fused separate; do
-    flag=(); [ "$mode" = separate ] && flag=(--no-fused-decode)
-    bench "${flag[@]}" --shape llama3-8b --batch-sizes 1,64 --input-len 1024 --output-len 64 \
-        --result-file "$OUT/h200-fastpath-llama3-8b-$mode.json"
-    bench "${flag[@]}" --shape smollm2-135m --batch-sizes 1 --input-len 128 --output-len 256 \
-        --result-file "$OUT/h200-fastpath-smollm2-135m-$mode.json"
+for mode in fused gemv separate; do
+    batches=1; [ "$mode" = fused ] && batches=1,64
+    bench --decode-path "$mode" --shape llama3-8b --batch-sizes "$batches" --input-len 1024 \
+        --output-len 128 --result-file "$OUT/h200-fastpath-llama3-8b-$mode.json"
+    bench --decode-path "$mode" --shape smollm2-135m --batch-sizes 1 --input-len 128 \
+        --output-len 512 --result-file "$OUT/h200-fastpath-smollm2-135m-$mode.json"
 done
 "$PY" benchmarks/summarize.py "$OUT"/h200-fastpath-*.json
-step timeout "${SWEEP_TIMEOUT:-300}" "$PY" benchmarks/gpu_fastpath.py ${SWEEP:+--sweep}
+step timeout "${SWEEP_TIMEOUT:-300}" "$PY" benchmarks/gpu_fastpath.py ${SWEEP:+--sweep} \
+    ${SKIP_ATTENTION:+--skip-attention}
 exit $status

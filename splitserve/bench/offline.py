@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-overlap", action="store_true", help="synchronous decode steps (the baseline)"
     )
     parser.add_argument(
-        "--no-fused-decode",
-        action="store_true",
-        help="small batches run norm, projection and SiLU as separate kernels (the baseline)",
+        "--decode-path",
+        default="fused",
+        choices=["fused", "gemv", "separate"],
+        help="batch-1 projections: GEMV with norm and SiLU fused, GEMV alone, or cuBLAS",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
@@ -54,9 +55,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from splitserve.bench.roofline import measure_ceilings
     from splitserve.engine.llm import LLM
     from splitserve.engine.loader import resolve_model
-    from splitserve.kernels.dispatch import set_fused_small_batch
+    from splitserve.kernels.dispatch import set_decode_path
 
-    set_fused_small_batch(not args.no_fused_decode)
+    set_decode_path(args.decode_path)
     model = f"shape:{args.shape}" if args.shape else args.model
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     longest = max(args.input_len + args.output_len, args.prefill_len + 1)

@@ -16,7 +16,8 @@ import torch
 
 _enabled = True
 _on_cpu = False
-_fused_small_batch = True
+_decode_path = "fused"
+DECODE_PATHS = ("fused", "gemv", "separate")
 
 
 @cache
@@ -34,16 +35,29 @@ def set_kernels_on_cpu(on_cpu: bool) -> None:
     _on_cpu = on_cpu
 
 
-def set_fused_small_batch(enabled: bool) -> None:
-    """Whether small batches take the fused norm + projection kernel (A/B benchmarks)."""
-    global _fused_small_batch
-    _fused_small_batch = enabled
+def set_decode_path(path: str) -> None:
+    """How a one-row step runs its projections (``engine/layers/linear.py``): "fused" (the GEMV
+    kernel with the RMSNorm before it and the SiLU after it folded in), "gemv" (the GEMV
+    kernel with SiLU; RMSNorm as its own kernel) or "separate" (cuBLAS and separate kernels,
+    as at larger batches). For A/B benchmarks."""
+    global _decode_path
+    if path not in DECODE_PATHS:
+        raise ValueError(f"decode path must be one of {DECODE_PATHS}, not {path!r}")
+    _decode_path = path
 
 
-def fused_small_batch() -> bool:
-    return _fused_small_batch
+def decode_path() -> str:
+    return _decode_path
 
 
 def use_kernels(x: torch.Tensor) -> bool:
     """True when ``x`` should go through the Triton kernels."""
     return (x.is_cuda or _on_cpu) and _enabled and triton_available()
+
+
+@cache
+def num_sms(device: torch.device) -> int | None:
+    """The GPU's multiprocessor count; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)

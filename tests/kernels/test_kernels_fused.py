@@ -1,4 +1,4 @@
-"""The small-batch decode kernels against their references: the fused norm + projection (+ SiLU),
+"""The decode kernels against their references: the batch-1 GEMV with norm and SiLU fused in,
 the fused rotary + K/V write and the two-launch argmax; then the whole model on every kernel."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ pytest.importorskip("triton")
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.layers.rotary import RotaryEmbedding
-from splitserve.kernels import skinny_linear as skinny_module
+from splitserve.kernels import gemv as gemv_module
 from splitserve.kernels.argmax import argmax_rows
-from splitserve.kernels.dispatch import set_kernels_on_cpu
+from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
+from splitserve.kernels.gemv import Tiles, choose_tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
-from splitserve.kernels.skinny_linear import Tiles, skinny_linear, skinny_linear_ref
 
 # Triton's interpreter computes bfloat16 dots on raw bits: bfloat16 runs on the GPU only
 # (benchmarks/gpu_fastpath.py checks it there).
@@ -27,40 +27,32 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    ("rows", "n", "k", "gated", "residual", "norm", "bias"),
+    ("n", "k", "gated", "residual", "norm", "bias"),
     [
-        (1, 96, 80, False, False, False, False),
-        (1, 200, 300, True, True, True, False),
-        (16, 48, 64, False, True, True, True),
-        (5, 40, 72, False, False, True, True),
-        (9, 33, 130, True, False, True, False),
+        (96, 80, False, False, False, False),
+        (200, 300, True, True, True, False),
+        (48, 64, False, True, True, True),
+        (40, 72, False, False, True, True),
+        (33, 130, True, False, True, False),
+        (70, 100, True, False, False, False),
     ],
 )
-def test_skinny_linear_matches_the_separate_ops(
-    dtype: torch.dtype,
-    rows: int,
-    n: int,
-    k: int,
-    gated: bool,
-    residual: bool,
-    norm: bool,
-    bias: bool,
+def test_gemv_matches_the_separate_ops(
+    dtype: torch.dtype, n: int, k: int, gated: bool, residual: bool, norm: bool, bias: bool
 ) -> None:
-    torch.manual_seed(rows * 1000 + n)
-    x = torch.randn(rows, k, dtype=dtype)
+    torch.manual_seed(n * 1000 + k)
+    x = torch.randn(1, k, dtype=dtype)
     weight = torch.randn((2 if gated else 1) * n, k, dtype=dtype) / k**0.5
     res = torch.randn_like(x) if residual else None
     norm_weight = torch.randn(k, dtype=dtype) if norm else None
     b = torch.randn(n, dtype=dtype) if bias else None
     x_before = x.clone()
     # Tiles smaller than the shapes, so that K and N both take several (ragged) tiles.
-    out, summed = skinny_linear(
-        x, weight, b, residual=res, norm_weight=norm_weight, gated=gated, tiles=Tiles(16, 32, 4, 2)
+    out, summed = gemv(
+        x, weight, b, residual=res, norm_weight=norm_weight, gated=gated, tiles=Tiles(16, 32, 4)
     )
-    ref, ref_summed = skinny_linear_ref(
-        x, weight, b, residual=res, norm_weight=norm_weight, gated=gated
-    )
-    assert out.shape == (rows, n)
+    ref, ref_summed = gemv_ref(x, weight, b, residual=res, norm_weight=norm_weight, gated=gated)
+    assert out.shape == (1, n)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if residual:
         assert summed is not None and ref_summed is not None
@@ -70,10 +62,19 @@ def test_skinny_linear_matches_the_separate_ops(
     assert torch.equal(x, x_before)
 
 
-def test_skinny_linear_refuses_a_residual_without_a_norm() -> None:
-    x = torch.randn(2, 32)
+def test_gemv_takes_one_row_and_a_residual_only_with_a_norm() -> None:
+    with pytest.raises(AssertionError):
+        gemv(torch.randn(2, 32), torch.randn(16, 32))
     with pytest.raises(AssertionError, match="residual"):
-        skinny_linear(x, torch.randn(16, 32), residual=torch.randn(2, 32))
+        gemv(torch.randn(1, 32), torch.randn(16, 32), residual=torch.randn(1, 32))
+
+
+def test_tile_choice_keeps_every_sm_busy_and_tiles_small() -> None:
+    cpu = torch.device("cpu")  # counted as an H200's 132 SMs
+    assert choose_tiles(6144, 4096, False, cpu) == Tiles(16, 512, 4)  # Llama-3-8B qkv
+    assert choose_tiles(4096, 14336, False, cpu) == Tiles(4, 1024, 8)  # down
+    assert choose_tiles(14336, 4096, True, cpu) == Tiles(8, 256, 4)  # gate|up
+    assert choose_tiles(960, 576, False, cpu) == Tiles(4, 1024, 8)  # SmolLM2 qkv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -142,32 +143,47 @@ def _tiny_model(tokenizer: Any, path: Path, family: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("family", "path"), [("llama", "fused"), ("qwen2", "fused"), ("llama", "gemv")]
+)
 def test_model_on_every_kernel_gives_the_torch_tokens(
-    smollm2_tokenizer: Any, tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+    smollm2_tokenizer: Any, tmp_path: Path, family: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode steps (3 rows) take the fused small-batch path, prefill steps the separate
-    kernels; greedy tokens must equal the torch code's."""
-    path = _tiny_model(smollm2_tokenizer, tmp_path / family, family)
+    """Batch-1 decode steps take the GEMV path ("fused": norm and SiLU inside, "gemv": SiLU
+    inside), prefill steps the separate kernels; greedy tokens must equal the torch code's."""
+    model = _tiny_model(smollm2_tokenizer, tmp_path / family, family)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (4, 21, 33)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    kwargs: dict[str, Any] = dict(model=path, max_model_len=96, block_size=16, num_kv_blocks=24)
-    reference = LLM(**kwargs).generate(prompts, params, use_tqdm=False)
-    fused_rows: list[int] = []
+    kwargs: dict[str, Any] = dict(model=model, max_model_len=96, block_size=16, num_kv_blocks=24)
+    reference = LLM(**kwargs)
+    expected = [
+        reference.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+    ]
+    calls: list[bool] = []
 
     def counted(x: torch.Tensor, *args: Any, **kw: Any) -> Any:
-        fused_rows.append(x.shape[0])
-        return skinny_linear(x, *args, **kw)
+        calls.append(kw.get("norm_weight") is not None)
+        return gemv(x, *args, **kw)
 
-    monkeypatch.setattr(skinny_module, "skinny_linear", counted)
+    monkeypatch.setattr(gemv_module, "gemv", counted)
     set_kernels_on_cpu(True)
+    set_decode_path(path)
     try:
-        fused = LLM(**kwargs, attention_backend="triton").generate(prompts, params, use_tqdm=False)
+        llm = LLM(**kwargs, attention_backend="triton")
+        tokens = [
+            llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+        ]
     finally:
         set_kernels_on_cpu(False)
-    expected = [o.outputs[0].token_ids for o in reference]
-    assert [o.outputs[0].token_ids for o in fused] == expected
+        set_decode_path("fused")
+    assert tokens == expected
     assert all(len(t) == 10 for t in expected)
-    # 9 decode steps of 3 rows, 4 projections per layer (2 of them with the norm fused in).
-    assert fused_rows.count(3) == 9 * 2 * 4 and max(fused_rows) == 3
+    # 3 prompts x 9 decode steps x 2 layers x 4 projections, 2 of them after a norm.
+    assert len(calls) == 3 * 9 * 2 * 4
+    assert calls.count(True) == (3 * 9 * 2 * 2 if path == "fused" else 0)
+
+
+def _greedy(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    """One prompt alone, so that its decode steps have one row."""
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

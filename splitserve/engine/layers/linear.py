@@ -1,9 +1,10 @@
-"""Projections, and the RMSNorm / SiLU around them, fused into one kernel for small batches.
+"""Projections, and the RMSNorm / SiLU around them, for one-row steps (batch-1 decode).
 
-With at most ``MAX_ROWS`` rows on the Triton path (decode at small batch) a norm + projection
-runs as one launch of ``splitserve.kernels.skinny_linear`` and the gate|up projection applies
-SiLU-and-mul in the same launch; otherwise (prefill, large batches, CPU) each op runs on its
-own: the Triton RMSNorm and SiLU, cuBLAS for the product.
+On the Triton path a one-row step runs each projection as the GEMV kernel of
+``splitserve.kernels.gemv`` (cuBLAS leaves a third of the bandwidth unused at one row), with
+the RMSNorm before it and the SiLU-and-mul after it folded into the same launch. Other steps
+(prefill, batches, CPU) run each op on its own: the Triton RMSNorm and SiLU, cuBLAS for the
+product. ``kernels.dispatch.set_decode_path`` picks the one-row variant for A/B benchmarks.
 """
 
 from __future__ import annotations
@@ -13,22 +14,18 @@ from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.norm import RMSNorm
-from splitserve.kernels.dispatch import fused_small_batch, use_kernels
+from splitserve.kernels.dispatch import decode_path, use_kernels
 
 
-def _skinny(x: torch.Tensor) -> bool:
-    if not (use_kernels(x) and fused_small_batch()):
-        return False
-    from splitserve.kernels.skinny_linear import MAX_ROWS
-
-    return x.shape[0] <= MAX_ROWS
+def _one_row(x: torch.Tensor) -> bool:
+    return x.shape[0] == 1 and use_kernels(x) and decode_path() != "separate"
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    if _skinny(x):
-        from splitserve.kernels.skinny_linear import skinny_linear
+    if _one_row(x):
+        from splitserve.kernels.gemv import gemv
 
-        return skinny_linear(x, layer.weight, layer.bias)[0]
+        return gemv(x.contiguous(), layer.weight, layer.bias)[0]
     return layer(x)
 
 
@@ -42,14 +39,15 @@ def norm_linear(
     """Returns (layer(RMSNorm(x + residual)), x + residual); residual None means x alone.
 
     gated: layer is a gate|up projection and the output is silu(gate) * up."""
-    if _skinny(x):
-        from splitserve.kernels.skinny_linear import skinny_linear
+    one_row = _one_row(x)
+    if one_row and decode_path() == "fused":
+        from splitserve.kernels.gemv import gemv
 
-        out, summed = skinny_linear(
-            x,
+        out, summed = gemv(
+            x.contiguous(),
             layer.weight,
             layer.bias,
-            residual=residual,
+            residual=None if residual is None else residual.contiguous(),
             norm_weight=norm.weight,
             eps=norm.eps,
             gated=gated,
@@ -59,5 +57,9 @@ def norm_linear(
         h, residual = norm(x), x
     else:
         h, residual = norm.add_and_norm(x, residual)
+    if one_row:
+        from splitserve.kernels.gemv import gemv
+
+        return gemv(h.contiguous(), layer.weight, layer.bias, gated=gated)[0], residual
     out = layer(h)
     return (silu_and_mul(out) if gated else out), residual

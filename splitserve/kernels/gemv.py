@@ -1,0 +1,169 @@
+"""Matrix-vector products for batch-1 decode, with the ops around them fused in.
+
+At batch 1 a decoder layer is a chain of matrix-vector products bound by reading the weights,
+and every op between them (RMSNorm, the residual add, SiLU) costs a launch of its own. This
+kernel computes one row x [K] times weight [N, K]^T:
+
+- each program owns BLOCK_N output columns and walks K in BLOCK_K tiles, multiplying in
+  registers (no tensor cores, no shared memory: at one row they would only add latency), and
+  sums along K once at the end; no split-K, so results never depend on the launch shape;
+- prologue (optional): ``RMSNorm(x + residual) * norm_weight``: each program reads the whole
+  row once for the sum of squares and normalizes each tile as it multiplies; the first
+  program writes the residual sum to a fresh buffer;
+- epilogue (optional): a bias, and for a gate|up weight [2 * I, K] ``silu(gate) * up`` (each
+  program computes the matching gate and up columns).
+
+Rounding follows the torch code: the residual sum, the normalized row, its product with the
+norm weight, the projection and SiLU are each rounded to the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from splitserve.kernels.dispatch import num_sms
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
+    N, K, eps, stride_w, up_offset,
+    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PAD_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dtype = out_ptr.dtype.element_ty
+
+    rstd = 0.0
+    if NORM:
+        k_all = tl.arange(0, PAD_K)
+        row = tl.load(x_ptr + k_all, mask=k_all < K, other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + k_all, mask=k_all < K, other=0.0)
+            row = (row.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            if pid == 0:
+                tl.store(res_out_ptr + k_all, row, mask=k_all < K)
+        row32 = row.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(row32 * row32, 0) / K + eps)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        a = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + kk, mask=k_mask, other=0.0)
+            a = (a.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if NORM:
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            a = ((a.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype)
+        a32 = a.to(tl.float32)[None, :]
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * a32
+        if GATED:
+            u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
+            acc_up += u.to(tl.float32) * a32
+
+    out = tl.sum(acc, 1)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    out = out.to(dtype)
+    if GATED:
+        gate = out.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = (act * tl.sum(acc_up, 1).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + cols, out, mask=col_mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+
+
+def choose_tiles(n: int, k: int, gated: bool, device: torch.device) -> Tiles:
+    """Up to 16 columns per program while that leaves >= 1.5 programs per SM and <= 128 KB of
+    weights per program; about 8K weights (4K per matrix when gated) per K tile.
+
+    Measured on an H200 (benchmarks/gpu_fastpath.py --sweep): within 6% of the best tile of
+    the sweep on every Llama-3-8B and SmolLM2-135M projection (SmolLM2's gate|up: 7%)."""
+    mats = 2 if gated else 1
+    sms = num_sms(device) or 132  # off the GPU (tests), planned as for an H200
+    block_n = 16
+    while block_n > 4 and (n // block_n < 1.5 * sms or block_n * k * 2 * mats > 128 * 1024):
+        block_n //= 2
+    block_k = max(256, min(1024, (4096 if gated else 8192) // (block_n * mats)))
+    return Tiles(block_n, block_k, num_warps=8 if block_k >= 1024 else 4)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    tiles: Tiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (out, x + residual) for one row x [1, K] and weight [N, K] (or [2 * I, K]):
+
+    out = linear(h, weight, bias) with h = x, or RMSNorm(x + residual) * norm_weight when
+    norm_weight is given; gated: silu(h @ gate.T) * (h @ up.T), [1, I]. The second value is
+    None unless a residual was given.
+    """
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+    k = x.shape[1]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert weight.shape[1] == k
+    assert residual is None or norm_weight is not None, "the residual sum feeds the norm"
+    assert residual is None or residual.is_contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty_like(x)
+    t = tiles or choose_tiles(n, k, gated, x.device)
+    _gemv_kernel[(triton.cdiv(n, t.block_n),)](
+        x, x if residual is None else residual, x if res_out is None else res_out,
+        x if norm_weight is None else norm_weight, weight, x if bias is None else bias, out,
+        n, k, eps, weight.stride(0), n * weight.stride(0),
+        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, GATED=gated,
+        HAS_BIAS=bias is not None, PAD_K=triton.next_power_of_2(k) if norm_weight is not None
+        else 1, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out, res_out
+
+
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The torch reference: the model's own ops, one after the other."""
+    h = x if residual is None else x + residual
+    a = h
+    if norm_weight is not None:
+        h32 = h.float()
+        a = norm_weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    out = F.linear(a, weight, bias)
+    if gated:
+        gate, up = out.split(out.shape[-1] // 2, dim=-1)
+        out = F.silu(gate) * up
+    return out, None if residual is None else h
