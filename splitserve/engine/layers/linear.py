@@ -1,8 +1,9 @@
 """Projections, and the RMSNorm / SiLU around them, for one-row steps (batch-1 decode).
 
-On the Triton path a one-row step runs each projection as the GEMV kernel of
-``splitserve.kernels.gemv`` (cuBLAS leaves a third of the bandwidth unused at one row), with
-the RMSNorm before it and the SiLU-and-mul after it folded into the same launch. Other steps
+On the Triton path a one-row step runs each projection whose weight is small enough to be
+latency-bound as the GEMV kernel of ``splitserve.kernels.gemv`` (a cuBLAS launch costs 3-5 us
+whatever the size below a few MB; the GEMV 2-2.5 us), with the RMSNorm before it and the
+SiLU-and-mul after it folded into the same launch. Other steps
 (prefill, batches, CPU) run each op on its own: the Triton RMSNorm and SiLU, cuBLAS for the
 product. ``kernels.dispatch.set_decode_path`` picks the one-row variant for A/B benchmarks.
 """
@@ -16,13 +17,25 @@ from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
 
+GEMV_MAX_BYTES = 16 << 20
+"""Weights up to this size take the GEMV at one row. Above it (Llama-3-8B's projections,
+33-235 MB) cuBLAS streams them faster from memory: end to end on an H200 Llama-3-8B decoded
+212 tok/s at batch 1 on cuBLAS and 195 on the GEMV, while SmolLM2-135M (weights <= 3.5 MB,
+where each product is latency-bound) went from 1,068 to 1,358 tok/s on the fused GEMV
+(benchmarks/gpu_fastpath.sh)."""
 
-def _one_row(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and use_kernels(x) and decode_path() != "separate"
+
+def _one_row(x: torch.Tensor, layer: nn.Linear) -> bool:
+    return (
+        x.shape[0] == 1
+        and use_kernels(x)
+        and decode_path() != "separate"
+        and layer.weight.numel() * layer.weight.element_size() <= GEMV_MAX_BYTES
+    )
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    if _one_row(x):
+    if _one_row(x, layer):
         from splitserve.kernels.gemv import gemv
 
         return gemv(x.contiguous(), layer.weight, layer.bias)[0]
@@ -39,7 +52,7 @@ def norm_linear(
     """Returns (layer(RMSNorm(x + residual)), x + residual); residual None means x alone.
 
     gated: layer is a gate|up projection and the output is silu(gate) * up."""
-    one_row = _one_row(x)
+    one_row = _one_row(x, layer)
     if one_row and decode_path() == "fused":
         from splitserve.kernels.gemv import gemv
 
