@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The batch-1 decode path on one GPU, its three variants in the same run (--decode-path fused:
-# GEMV kernels with RMSNorm and SiLU folded in; gemv: GEMV kernels, RMSNorm on its own;
-# separate: cuBLAS and separate kernels, the earlier path), end to end (Llama-3-8B batch 1 and
-# 64 at 1k context, SmolLM2-135M batch 1), after the GPU correctness check; then the kernel
-# checks and timings of benchmarks/gpu_fastpath.py. Results go to $OUT (default
-# benchmarks/results).
+# The decode fast path on one GPU, after the GPU correctness check: the engine's default
+# (--decode-path fused: batch-1 GEMV kernels with RMSNorm and SiLU folded in, for weights up
+# to 16 MB) beside transformers, on Llama-3-8B (batch 1 and 64 at 1k context, 8k prefill) and
+# SmolLM2-135M (batch 1 and 32); in the same run the other batch-1 variants (gemv: RMSNorm on
+# its own; separate: cuBLAS and separate kernels, the earlier path); then the kernel checks
+# and timings of benchmarks/gpu_fastpath.py. Results go to $OUT (default benchmarks/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,12 +18,17 @@ bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline
     --attention-backend triton "$@"; }
 
 step "$PY" benchmarks/gpu_check.py
-for mode in fused gemv separate; do
-    batches=1; [ "$mode" = fused ] && batches=1,64
-    bench --decode-path "$mode" --shape llama3-8b --batch-sizes "$batches" --input-len 1024 \
-        --output-len 128 --result-file "$OUT/h200-fastpath-llama3-8b-$mode.json"
+base() { step "$PY" -m splitserve.cli bench offline --device cuda --attention-backend triton "$@"; }
+base --shape llama3-8b --batch-sizes 1 --input-len 1024 --output-len 64 --prefill-len 8192 \
+    --result-file "$OUT/h200-fastpath-llama3-8b-b1.json"
+bench --shape llama3-8b --batch-sizes 64 --input-len 1024 --output-len 64 \
+    --result-file "$OUT/h200-fastpath-llama3-8b-b64.json"
+base --shape smollm2-135m --batch-sizes 1,32 --input-len 128 --output-len 256 \
+    --result-file "$OUT/h200-fastpath-smollm2-135m.json"
+# Llama-3-8B's weights are all above the GEMV's 16 MB: its three paths are the same code.
+for mode in gemv separate; do
     bench --decode-path "$mode" --shape smollm2-135m --batch-sizes 1 --input-len 128 \
-        --output-len 512 --result-file "$OUT/h200-fastpath-smollm2-135m-$mode.json"
+        --output-len 256 --result-file "$OUT/h200-fastpath-smollm2-135m-$mode.json"
 done
 "$PY" benchmarks/summarize.py "$OUT"/h200-fastpath-*.json
 step timeout "${SWEEP_TIMEOUT:-300}" "$PY" benchmarks/gpu_fastpath.py ${SWEEP:+--sweep} \

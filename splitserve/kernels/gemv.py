@@ -95,16 +95,16 @@ class Tiles:
 
 def choose_tiles(n: int, k: int, gated: bool, device: torch.device) -> Tiles:
     """Up to 16 columns per program while that leaves >= 1.5 programs per SM and <= 128 KB of
-    weights per program; about 8K weights (4K per matrix when gated) per K tile.
+    weights per program; K tiles of about 8K weights per program (4K per matrix when gated).
 
-    Measured on an H200 (benchmarks/gpu_fastpath.py --sweep): within 6% of the best tile of
-    the sweep on every Llama-3-8B and SmolLM2-135M projection (SmolLM2's gate|up: 7%)."""
+    Measured on an H200 with weights streamed from memory (benchmarks/gpu_fastpath.py
+    --sweep): the best tile of the sweep for every SmolLM2-135M projection."""
     mats = 2 if gated else 1
     sms = num_sms(device) or 132  # off the GPU (tests), planned as for an H200
     block_n = 16
     while block_n > 4 and (n // block_n < 1.5 * sms or block_n * k * 2 * mats > 128 * 1024):
         block_n //= 2
-    block_k = max(256, min(1024, (4096 if gated else 8192) // (block_n * mats)))
+    block_k = max(256, min(1024, 8192 // (block_n * mats)))
     return Tiles(block_n, block_k, num_warps=8 if block_k >= 1024 else 4)
 
 

@@ -73,7 +73,8 @@ def test_tile_choice_keeps_every_sm_busy_and_tiles_small() -> None:
     cpu = torch.device("cpu")  # counted as an H200's 132 SMs
     assert choose_tiles(6144, 4096, False, cpu) == Tiles(16, 512, 4)  # Llama-3-8B qkv
     assert choose_tiles(4096, 14336, False, cpu) == Tiles(4, 1024, 8)  # down
-    assert choose_tiles(14336, 4096, True, cpu) == Tiles(8, 256, 4)  # gate|up
+    assert choose_tiles(14336, 4096, True, cpu) == Tiles(8, 512, 4)  # gate|up
+    assert choose_tiles(1536, 576, True, cpu) == Tiles(4, 1024, 8)  # SmolLM2 gate|up
     assert choose_tiles(960, 576, False, cpu) == Tiles(4, 1024, 8)  # SmolLM2 qkv
 
 
