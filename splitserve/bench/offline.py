@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["fused", "gemv", "separate"],
         help="batch-1 projections: GEMV with norm and SiLU fused, GEMV alone, or cuBLAS",
     )
+    parser.add_argument(
+        "--gemv-max-mb",
+        type=int,
+        default=None,
+        help="largest weight (MB) that takes the batch-1 GEMV (default: the engine's)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
@@ -58,6 +64,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from splitserve.kernels.dispatch import set_decode_path
 
     set_decode_path(args.decode_path)
+    if args.gemv_max_mb is not None:
+        from splitserve.engine.layers import linear
+
+        linear.GEMV_MAX_BYTES = args.gemv_max_mb << 20
     model = f"shape:{args.shape}" if args.shape else args.model
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     longest = max(args.input_len + args.output_len, args.prefill_len + 1)

@@ -16,7 +16,7 @@ from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels import gemv as gemv_module
 from splitserve.kernels.argmax import argmax_rows
 from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
-from splitserve.kernels.gemv import Tiles, choose_tiles, gemv, gemv_ref
+from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
 
@@ -67,15 +67,6 @@ def test_gemv_takes_one_row_and_a_residual_only_with_a_norm() -> None:
         gemv(torch.randn(2, 32), torch.randn(16, 32))
     with pytest.raises(AssertionError, match="residual"):
         gemv(torch.randn(1, 32), torch.randn(16, 32), residual=torch.randn(1, 32))
-
-
-def test_tile_choice_keeps_every_sm_busy_and_tiles_small() -> None:
-    cpu = torch.device("cpu")  # counted as an H200's 132 SMs
-    assert choose_tiles(6144, 4096, False, cpu) == Tiles(16, 512, 4)  # Llama-3-8B qkv
-    assert choose_tiles(4096, 14336, False, cpu) == Tiles(4, 1024, 8)  # down
-    assert choose_tiles(14336, 4096, True, cpu) == Tiles(8, 512, 4)  # gate|up
-    assert choose_tiles(1536, 576, True, cpu) == Tiles(4, 1024, 8)  # SmolLM2 gate|up
-    assert choose_tiles(960, 576, False, cpu) == Tiles(4, 1024, 8)  # SmolLM2 qkv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,8 +1,7 @@
 """Projections, and the RMSNorm / SiLU around them, for one-row steps (batch-1 decode).
 
-On the Triton path a one-row step runs each projection whose weight is small enough to be
-latency-bound as the GEMV kernel of ``splitserve.kernels.gemv`` (a cuBLAS launch costs 3-5 us
-whatever the size below a few MB; the GEMV 2-2.5 us), with the RMSNorm before it and the
+On the Triton path a one-row step runs each projection with a weight up to ``GEMV_MAX_BYTES``
+as the GEMV kernel of ``splitserve.kernels.gemv``, with the RMSNorm before it and the
 SiLU-and-mul after it folded into the same launch. Other steps
 (prefill, batches, CPU) run each op on its own: the Triton RMSNorm and SiLU, cuBLAS for the
 product. ``kernels.dispatch.set_decode_path`` picks the one-row variant for A/B benchmarks.
@@ -17,12 +16,12 @@ from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
 
-GEMV_MAX_BYTES = 16 << 20
-"""Weights up to this size take the GEMV at one row. Above it (Llama-3-8B's projections,
-33-235 MB) cuBLAS streams them faster from memory: end to end on an H200 Llama-3-8B decoded
-212 tok/s at batch 1 on cuBLAS and 195 on the GEMV, while SmolLM2-135M (weights <= 3.5 MB,
-where each product is latency-bound) went from 1,068 to 1,358 tok/s on the fused GEMV
-(benchmarks/gpu_fastpath.sh)."""
+GEMV_MAX_BYTES = 128 << 20
+"""Weights up to this size take the GEMV at one row. On an H200, weights streamed from memory
+(benchmarks/gpu_fastpath.py): the GEMV beats cuBLAS on every SmolLM2-135M projection (2.5-3.7
+against 3.6-5.2 us) and on Llama-3-8B's o (11.4 against 13.6 us) and down (31.3 against
+31.8); it ties on q|k|v (50 MB), where folding the norm in wins; it loses on the 235 MB
+gate|up (61 against 56 us), which stays on cuBLAS."""
 
 
 def _one_row(x: torch.Tensor, layer: nn.Linear) -> bool:
