@@ -3,9 +3,8 @@
 Each program takes one (sequence, KV head, split): the query heads of that KV group are the rows
 of one tile (GQA without repeating K/V), and the split's range of context tokens is walked in
 tiles of BLOCK_N tokens gathered through the block table (any block size). With more than one
-split (flash-decoding) each split writes a partial output and its log-sum-exp, and the last
-split of each (sequence, KV head) to finish merges them, counted through an atomic counter, in
-the same launch.
+split (flash-decoding) each split writes a partial output and its log-sum-exp, and a second
+kernel merges them.
 """
 
 from __future__ import annotations
@@ -22,12 +21,12 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, scale_log2,
+    scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_table, stride_ot, stride_oh,
     GROUP: tl.constexpr, PAD_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PAD_S: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,15 +55,14 @@ def _decode_kernel(
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # V's load is issued before the scores need K, so both are in flight together.
-        v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -78,30 +76,29 @@ def _decode_kernel(
         tl.store(part_out_ptr + part[:, None] * PAD_D + d[None, :], out, mask=row_mask)
         lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
-        # The last split of this (sequence, KV head) to finish merges all of them: no second
-        # launch. Every thread's stores land before the count goes up (barrier, then a
-        # release); the merging program reads the other programs' partials past L1 (.cg).
-        tl.debug_barrier()
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch (and graph replay)
-            s = tl.arange(0, PAD_S)
-            for gi in range(GROUP):
-                head = kv_head * GROUP + gi
-                base = (seq * GROUP * tl.num_programs(1) + head) * NUM_SPLITS
-                lses = tl.load(
-                    part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"),
-                    cache_modifier=".cg",
-                )  # fmt: skip
-                weight = tl.exp2(lses - tl.max(lses, 0))
-                parts = tl.load(
-                    part_out_ptr + (base + s)[:, None] * PAD_D + d[None, :],
-                    mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0,
-                    cache_modifier=".cg",
-                )  # fmt: skip
-                merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-                dst = out_ptr + seq * stride_ot + head * stride_oh + d
-                tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAD_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, PAD_S)
+    d = tl.arange(0, PAD_D)
+    base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(
+        part_out_ptr + (base + s)[:, None] * PAD_D + d[None, :],
+        mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    dst = out_ptr + seq * stride_ot + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -158,40 +155,26 @@ def paged_decode_attention(
     block_n = block_n or tile
     pad_d = max(16, triton.next_power_of_2(head_dim))
     part_out = part_lse = out
-    counters = _counters(q.device, 1)
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, pad_d), device=q.device)
         part_lse = torch.empty((batch, num_heads, splits), device=q.device)
-        counters = _counters(q.device, batch * num_kv_heads)
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, PAD_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAD_D=pad_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PAD_S=triton.next_power_of_2(splits), PRECISION=_precision(q.dtype),
-        num_warps=num_warps,
+        NUM_SPLITS=splits, PRECISION=_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, PAD_D=pad_d, NUM_SPLITS=splits,
+            PAD_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 split counters, one per (sequence, KV head); each launch leaves them zero.
-
-    Kept across launches, so that a CUDA graph captures a fixed buffer: the decode graphs run
-    their largest batch first, before capture, which sizes it for every bucket."""
-    held = _COUNTERS.get(device)
-    if held is None or held.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split counters must be sized before CUDA graph capture")
-        held = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = held
-    return held
 
 
 def _precision(dtype: torch.dtype) -> str:

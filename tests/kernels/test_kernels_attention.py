@@ -13,7 +13,6 @@ from splitserve.engine.layers.attention import (
     TorchAttention,
     make_backend,
 )
-from splitserve.kernels import decode_attention
 from splitserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from splitserve.kernels.prefill_attention import (
     paged_prefill_attention,
@@ -62,9 +61,6 @@ def test_paged_decode_attention_matches_reference(
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=num_splits)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    # The last split of each (sequence, KV head) merged in the kernel and zeroed its counter
-    # for the next launch (8 splits leave some empty at the 1-token context).
-    assert not decode_attention._COUNTERS[torch.device("cpu")].any()
 
 
 @pytest.mark.parametrize("dtype", list(TOL))

@@ -19,9 +19,20 @@ from splitserve.kernels.dispatch import decode_path, use_kernels
 GEMV_MAX_BYTES = 128 << 20
 """Weights up to this size take the GEMV at one row. On an H200, weights streamed from memory
 (benchmarks/gpu_fastpath.py): the GEMV beats cuBLAS on every SmolLM2-135M projection (2.5-3.7
-against 3.6-5.2 us) and on Llama-3-8B's o (11.4 against 13.6 us) and down (31.3 against
-31.8); it ties on q|k|v (50 MB), where folding the norm in wins; it loses on the 235 MB
-gate|up (61 against 56 us), which stays on cuBLAS."""
+against 3.6-5.2 us) and on Llama-3-8B's o (11.5 against 13.6 us) and down (31.8 against
+32.8); the 235 MB gate|up stays on cuBLAS (61 against 56 us in one run, 62 against 61 in
+another). End to end, Llama-3-8B batch 1 decoded 202.4 tok/s with this limit against 197.4
+with 16 MB (all of its projections on cuBLAS) in the same run (benchmarks/gpu_fastpath.sh)."""
+
+NORM_FOLD_MAX_BYTES = 16 << 20
+"""The norm is folded into the GEMV only for weights up to this size. Every program of the
+GEMV reads the whole row for the norm's sum of squares: beside a few KB of weights per program
+(SmolLM2: q|k|v 3.0 us folded against 4.3 with the norm kernel) that is cheap, beside 50 MB
+split over 1,536 programs it is not (Llama-3-8B q|k|v: 21.6 against 20.2 us)."""
+
+
+def _weight_bytes(layer: nn.Linear) -> int:
+    return layer.weight.numel() * layer.weight.element_size()
 
 
 def _one_row(x: torch.Tensor, layer: nn.Linear) -> bool:
@@ -29,7 +40,7 @@ def _one_row(x: torch.Tensor, layer: nn.Linear) -> bool:
         x.shape[0] == 1
         and use_kernels(x)
         and decode_path() != "separate"
-        and layer.weight.numel() * layer.weight.element_size() <= GEMV_MAX_BYTES
+        and _weight_bytes(layer) <= GEMV_MAX_BYTES
     )
 
 
@@ -52,7 +63,7 @@ def norm_linear(
 
     gated: layer is a gate|up projection and the output is silu(gate) * up."""
     one_row = _one_row(x, layer)
-    if one_row and decode_path() == "fused":
+    if one_row and decode_path() == "fused" and _weight_bytes(layer) <= NORM_FOLD_MAX_BYTES:
         from splitserve.kernels.gemv import gemv
 
         out, summed = gemv(
