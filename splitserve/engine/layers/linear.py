@@ -21,8 +21,9 @@ GEMV_MAX_BYTES = 128 << 20
 (benchmarks/gpu_fastpath.py): the GEMV beats cuBLAS on every SmolLM2-135M projection (2.5-3.7
 against 3.6-5.2 us) and on Llama-3-8B's o (11.5 against 13.6 us) and down (31.8 against
 32.8); the 235 MB gate|up stays on cuBLAS (61 against 56 us in one run, 62 against 61 in
-another). End to end, Llama-3-8B batch 1 decoded 202.4 tok/s with this limit against 197.4
-with 16 MB (all of its projections on cuBLAS) in the same run (benchmarks/gpu_fastpath.sh)."""
+another). End to end, Llama-3-8B batch 1 with this limit against 16 MB (all of its
+projections on cuBLAS), same run each (benchmarks/gpu_fastpath.sh): 202.4 against 197.4 tok/s
+on one machine, 210.8 against 211.1 on another."""
 
 NORM_FOLD_MAX_BYTES = 16 << 20
 """The norm is folded into the GEMV only for weights up to this size. Every program of the
