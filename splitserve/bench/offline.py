@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="largest weight (MB) that takes the batch-1 GEMV (default: the engine's)",
     )
+    parser.add_argument(
+        "--no-onednn",
+        action="store_true",
+        help="CPU projections through F.linear (MKL) instead of oneDNN (the A/B baseline)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
@@ -64,6 +69,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from splitserve.kernels.dispatch import set_decode_path
 
     set_decode_path(args.decode_path)
+    if args.no_onednn:
+        from splitserve.engine.layers.cpu_gemm import set_onednn_enabled
+
+        set_onednn_enabled(False)
     if args.gemv_max_mb is not None:
         from splitserve.engine.layers import linear
 

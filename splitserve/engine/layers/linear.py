@@ -2,9 +2,10 @@
 
 On the Triton path a one-row step runs each projection with a weight up to ``GEMV_MAX_BYTES``
 as the GEMV kernel of ``splitserve.kernels.gemv``, with the RMSNorm before it and the
-SiLU-and-mul after it folded into the same launch. Other steps
-(prefill, batches, CPU) run each op on its own: the Triton RMSNorm and SiLU, cuBLAS for the
-product. ``kernels.dispatch.set_decode_path`` picks the one-row variant for A/B benchmarks.
+SiLU-and-mul after it folded into the same launch. Other steps (prefill, batches) run each op
+on its own: the Triton RMSNorm and SiLU, cuBLAS for the product; on the CPU the torch norm and
+SiLU and oneDNN for the product (``cpu_gemm.py``). ``kernels.dispatch.set_decode_path`` picks
+the one-row variant for A/B benchmarks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.cpu_gemm import onednn_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
 
@@ -45,12 +47,19 @@ def _one_row(x: torch.Tensor, layer: nn.Linear) -> bool:
     )
 
 
+def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x): oneDNN with a packed weight for float32 on the CPU (``cpu_gemm.py``), else
+    the layer itself (cuBLAS on CUDA)."""
+    out = onednn_linear(x, layer)
+    return layer(x) if out is None else out
+
+
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if _one_row(x, layer):
         from splitserve.kernels.gemv import gemv
 
         return gemv(x.contiguous(), layer.weight, layer.bias)[0]
-    return layer(x)
+    return dense(x, layer)
 
 
 def norm_linear(
@@ -85,5 +94,5 @@ def norm_linear(
         from splitserve.kernels.gemv import gemv
 
         return gemv(h.contiguous(), layer.weight, layer.bias, gated=gated)[0], residual
-    out = layer(h)
+    out = dense(h, layer)
     return (silu_and_mul(out) if gated else out), residual

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
-from splitserve.engine.layers.linear import linear, norm_linear
+from splitserve.engine.layers.linear import dense, linear, norm_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return dense(hidden, self.lm_head).float()
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]

@@ -1,0 +1,52 @@
+"""oneDNN projections on the CPU: the same float32 results as F.linear, packed once per weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.layers import cpu_gemm
+from splitserve.engine.layers.cpu_gemm import onednn_available, onednn_linear, set_onednn_enabled
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    layer = nn.Linear(576, 960, bias=bias)
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        out = onednn_linear(x, layer)
+        assert out is not None and out.shape == (rows, 960)
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_is_packed_once_and_again_after_a_write() -> None:
+    layer = nn.Linear(64, 32, bias=False)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        onednn_linear(x, layer)
+        first = getattr(layer, cpu_gemm._PACKED)[1]
+        onednn_linear(x, layer)
+        assert getattr(layer, cpu_gemm._PACKED)[1] is first
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        out = onednn_linear(x, layer)
+    assert getattr(layer, cpu_gemm._PACKED)[1] is not first
+    assert out is not None
+    torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_cpu_tensors_and_only_when_enabled() -> None:
+    layer = nn.Linear(16, 8)
+    assert onednn_linear(torch.randn(2, 16, dtype=torch.float64), layer) is None
+    set_onednn_enabled(False)
+    try:
+        assert onednn_linear(torch.randn(2, 16), layer) is None
+    finally:
+        set_onednn_enabled(True)
+    assert onednn_linear(torch.randn(2, 16), layer) is not None
