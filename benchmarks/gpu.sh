@@ -4,16 +4,7 @@
 # shapes (torch and Triton attention), and, with two GPUs, the KV transfer / disaggregation
 # benchmark over NCCL. Runs from a plain copy of the tree with the machine's own python3
 # (torch, triton, transformers; no network); results go to $OUT (default benchmarks/results).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export SPLITSERVE_GIT_COMMIT=${SPLITSERVE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-OUT=${OUT:-benchmarks/results}
-PY=${PY:-python3}
-mkdir -p "$OUT"
-status=0
-step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
+source "$(dirname "$0")/gpu_env.sh"
 
 step "$PY" benchmarks/gpu_check.py
 [ -f benchmarks/gpu_kernels.py ] && step "$PY" benchmarks/gpu_kernels.py

@@ -5,15 +5,7 @@
 # SmolLM2-135M (batch 1 and 32); in the same run the other batch-1 variants (gemv: RMSNorm on
 # its own; separate: cuBLAS and separate kernels, the earlier path); then the kernel checks
 # and timings of benchmarks/gpu_fastpath.py. Results go to $OUT (default benchmarks/results).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export SPLITSERVE_GIT_COMMIT=${SPLITSERVE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-OUT=${OUT:-benchmarks/results}
-PY=${PY:-python3}
-mkdir -p "$OUT"
-status=0
-step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
+source "$(dirname "$0")/gpu_env.sh"
 bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline \
     --attention-backend triton "$@"; }
 

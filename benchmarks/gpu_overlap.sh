@@ -3,15 +3,7 @@
 # correctness check (overlap is on by default on CUDA, so it runs through it), then decode
 # throughput of the SmolLM2-135M and Llama-3-8B shapes (Triton attention, CUDA graphs) with
 # and without --no-overlap. Results go to $OUT (default benchmarks/results).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export SPLITSERVE_GIT_COMMIT=${SPLITSERVE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-OUT=${OUT:-benchmarks/results}
-PY=${PY:-python3}
-mkdir -p "$OUT"
-status=0
-step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
+source "$(dirname "$0")/gpu_env.sh"
 bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline \
     --attention-backend triton "$@"; }
 

@@ -10,6 +10,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.reference import assert_greedy_equal, hf_greedy
+from tests.tiny_models import tiny_model
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -54,24 +55,15 @@ def test_smollm2_greedy_matches_transformers_for_20_prompts_in_one_batch(
     assert sum(len(o.outputs[0].token_ids) for o in outputs) > 20 * 16
 
 
-def _save_tiny(model: Any, tokenizer: Any, path: Path) -> str:
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def _tiny_llama(tokenizer: Any, path: Path) -> tuple[Any, str]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
+    return tiny_model(
+        tokenizer,
+        path,
+        "llama",
+        seed=0,
         intermediate_size=160,
         num_hidden_layers=3,
         num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         rope_theta=50000.0,
         rope_scaling={
             "rope_type": "llama3",
@@ -80,53 +72,18 @@ def _tiny_llama(tokenizer: Any, path: Path) -> tuple[Any, str]:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
-        initializer_range=0.3,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval()
-    return model, _save_tiny(model, tokenizer, path)
 
 
 def _tiny_qwen2(tokenizer: Any, path: Path) -> tuple[Any, str]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    return model, _save_tiny(model, tokenizer, path)
+    return tiny_model(tokenizer, path, "qwen2", seed=1, tie_word_embeddings=True)
 
 
 def _tiny_mistral(tokenizer: Any, path: Path) -> tuple[Any, str]:
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(2)
-    config = MistralConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        sliding_window=None,
-        initializer_range=0.3,
+    return tiny_model(
+        tokenizer, path, "mistral", seed=2, num_key_value_heads=1, sliding_window=None
     )
-    model = MistralForCausalLM(config).eval()
-    return model, _save_tiny(model, tokenizer, path)
 
 
 TINY_BUILDERS = {"llama": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral}

@@ -24,6 +24,7 @@ from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
 from splitserve.services.prefill_worker import PrefillWorker
 from tests.server_process import free_port
+from tests.tiny_models import tiny_model
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 4.0
@@ -80,23 +81,7 @@ class Worker:
 @pytest.fixture(scope="module")
 def model(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2-layer random Llama (seeded) saved with SmolLM2's tokenizer: loads in a moment."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    smollm2_tokenizer.save_pretrained(path)
-    return str(path)
+    return tiny_model(smollm2_tokenizer, tmp_path_factory.mktemp("tiny-llama"))[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,31 +11,16 @@ import torch
 pytest.importorskip("triton")
 
 from splitserve import LLM, SamplingParams
-
-
-def _tiny_llama(tokenizer: Any, path: Path) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-    )
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return str(path)
+from tests.tiny_models import tiny_model
 
 
 def test_triton_backend_greedy_tokens_equal_torch_backend(
     smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
-    path = _tiny_llama(smollm2_tokenizer, tmp_path / "llama")
+    _, path = tiny_model(
+        smollm2_tokenizer, tmp_path / "llama", hidden_size=96, intermediate_size=160,
+        num_attention_heads=6, max_position_embeddings=256,
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (5, 19, 40)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

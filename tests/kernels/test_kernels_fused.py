@@ -19,6 +19,7 @@ from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
+from tests.tiny_models import tiny_model
 
 # Triton's interpreter computes bfloat16 dots on raw bits: bfloat16 runs on the GPU only
 # (benchmarks/gpu_fastpath.py checks it there).
@@ -113,28 +114,6 @@ def test_argmax_rows_takes_the_first_maximum_like_torch(chunk: int) -> None:
     assert torch.equal(argmax_rows(logits.half(), chunk), logits.half().argmax(-1))
 
 
-def _tiny_model(tokenizer: Any, path: Path, family: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-    )
-    if family == "llama":
-        LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(path)
-    else:  # q/k/v biases: the fused projection's bias epilogue
-        Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize(
     ("family", "path"), [("llama", "fused"), ("qwen2", "fused"), ("llama", "gemv")]
 )
@@ -143,7 +122,11 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
 ) -> None:
     """Batch-1 decode steps take the GEMV path ("fused": norm and SiLU inside, "gemv": SiLU
     inside), prefill steps the separate kernels; greedy tokens must equal the torch code's."""
-    model = _tiny_model(smollm2_tokenizer, tmp_path / family, family)
+    # q/k/v biases (Qwen2): the GEMV's bias epilogue.
+    _, model = tiny_model(
+        smollm2_tokenizer, tmp_path / family, family, hidden_size=96, intermediate_size=160,
+        num_attention_heads=6, max_position_embeddings=256,
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (4, 21, 33)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

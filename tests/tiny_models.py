@@ -1,0 +1,48 @@
+"""Small random models of the Llama family, saved as Hugging Face directories (safetensors)
+with SmolLM2's tokenizer, for tests that need a real checkpoint that loads in a moment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+)
+
+
+def tiny_model(
+    tokenizer: Any, path: Path, family: str = "llama", seed: int = 0, **config: Any
+) -> tuple[Any, str]:
+    """(the transformers model, its directory): BASE's shape with ``config`` on top, weights
+    drawn after ``torch.manual_seed(seed)``. Qwen2's q/k/v biases, which transformers starts at
+    zero, are drawn too, so that they change the outputs."""
+    import transformers
+
+    config_name, model_name = FAMILIES[family]
+    torch.manual_seed(seed)
+    settings = BASE | {"vocab_size": len(tokenizer)} | config
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**settings))
+    model.eval()
+    if family == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model, str(path)
