@@ -50,3 +50,15 @@ def test_only_float32_cpu_tensors_and_only_when_enabled() -> None:
     finally:
         set_onednn_enabled(True)
     assert onednn_linear(torch.randn(2, 16), layer) is not None
+
+
+def test_prepack_packs_every_projection_of_a_model_at_load() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    assert cpu_gemm.prepack(model) == 2
+    first = getattr(model[0], cpu_gemm._PACKED)[1]
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        out = onednn_linear(x, model[0])
+    assert getattr(model[0], cpu_gemm._PACKED)[1] is first  # no second packing
+    assert out is not None
+    torch.testing.assert_close(out, model[0](x), rtol=1e-5, atol=1e-5)

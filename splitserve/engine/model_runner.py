@@ -7,6 +7,7 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
+from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
@@ -69,6 +70,8 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         if weights_path is not None:
             model.load_weights(text_weights(iter_weights(weights_path, cfg)))
+        if self.device.type == "cpu":
+            prepack(model)  # oneDNN layouts of the projections, before the first request
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:

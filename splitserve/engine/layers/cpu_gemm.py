@@ -45,14 +45,33 @@ def onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
     """layer(x) through oneDNN for float32 CPU tensors; None where it does not apply."""
     if not (_enabled and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
-    if not onednn_available() or layer.weight.dtype != torch.float32:
+    packed = _packed(layer)
+    if packed is None:
         return None
+    bias = None if layer.bias is None else layer.bias.detach()
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def prepack(model: nn.Module) -> int:
+    """Packs every float32 CPU projection of the model now (at load) rather than on its first
+    call; returns how many were packed."""
+    if not _enabled:
+        return 0
+    layers = [
+        m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
+    ]
+    return sum(_packed(layer) is not None for layer in layers)
+
+
+def _packed(layer: nn.Linear) -> torch.Tensor | None:
+    """The layer's weight in oneDNN's layout, packed again if the weight changed since."""
     weight = layer.weight
+    if not onednn_available() or weight.dtype != torch.float32:
+        return None
     key = (weight.data_ptr(), weight._version)
     held = getattr(layer, _PACKED, None)
     if held is None or held[0] != key:
         with torch.no_grad():
             held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
         object.__setattr__(layer, _PACKED, held)
-    bias = None if layer.bias is None else layer.bias.detach()
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), held[1], bias, "none", [], "")
+    return held[1]
