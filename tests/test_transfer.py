@@ -118,3 +118,39 @@ def test_two_workers_sending_to_each_other_do_not_wait_on_each_other(store: Stor
     # A creation waiting, lock held, for a partner blocked on its own lock would only end at
     # the transport timeout (20 s here) with a TransferError.
     assert max(seconds for _, seconds in answers.values()) < TIMEOUT_S / 2
+
+
+def _recv_then_send(store: StoreAddress, results: Any) -> None:
+    """Worker "bb": receive from "a", and only then send back to it."""
+    transport = KVTransport("bb", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    got = torch.empty(4)
+    transport.recv("a", 7, got)
+    transport.send("a", 7, got * 10)
+    results.put(got.tolist())
+
+
+def test_a_channel_waiting_for_its_partner_does_not_hold_up_another_channel(
+    store: StoreAddress,
+) -> None:
+    """In "a", the channel from "bb" starts forming first and waits: "bb" joins it only after
+    it has received on the channel to "a", which forms second. Through one store connection
+    for both (a TCPStore client serializes its calls) the second could not even publish its
+    address until the first timed out."""
+    import threading
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    partner = ctx.Process(target=_recv_then_send, args=(store, results), daemon=True)
+    partner.start()
+    transport = KVTransport("a", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    back = torch.empty(4)
+    receiving = threading.Thread(target=transport.recv, args=("bb", 7, back))
+    start = time.monotonic()
+    receiving.start()
+    time.sleep(1.0)  # the receiving channel is now waiting for "bb"
+    transport.send("bb", 7, torch.full((4,), 3.0))
+    receiving.join(timeout=TIMEOUT_S * 2)
+    assert results.get(timeout=TIMEOUT_S) == [3.0] * 4
+    assert back.tolist() == [30.0] * 4
+    assert time.monotonic() - start < TIMEOUT_S / 2
+    partner.join(timeout=10)

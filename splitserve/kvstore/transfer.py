@@ -73,7 +73,9 @@ class KVTransport:
         self.device = device
         self.backend = pick_backend(backend, device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(store.host, store.port, is_master=False, timeout=self.timeout)
+        self._store_address = store
+        # Fails early (here, not at the first transfer) when the rendezvous store is not there.
+        self._connect_store()
         self._groups: dict[tuple[str, str, int], _Channel] = {}
         self._lock = threading.Lock()
         self.bytes_sent = 0
@@ -109,7 +111,12 @@ class KVTransport:
             channel = self._groups.setdefault(key, _Channel(threading.Lock()))
         with channel.lock:
             if channel.group is None:
-                prefix = dist.PrefixStore(f"kv/{sender}->{receiver}/{generation}", self._store)
+                # A store connection of the channel's own: a TCPStore client serializes its
+                # calls, so two channels forming at once through one client deadlock (one
+                # waits for its partner's key, lock held, while the other cannot publish its
+                # own) until the timeout.
+                store = self._connect_store()
+                prefix = dist.PrefixStore(f"kv/{sender}->{receiver}/{generation}", store)
                 try:
                     channel.group = self._new_group(prefix, rank)
                 except RuntimeError as exc:
@@ -118,6 +125,10 @@ class KVTransport:
                             del self._groups[key]
                     raise TransferError(f"cannot connect {sender}->{receiver}: {exc}") from exc
             return channel.group
+
+    def _connect_store(self) -> Any:
+        address = self._store_address
+        return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)
 
     def _new_group(self, store: Any, rank: int) -> Any:
         if self.backend == "gloo":
