@@ -43,6 +43,17 @@ def wait_for_series(url: str, expr: str, timeout: float = 30.0) -> None:
         time.sleep(0.5)
 
 
+def empty_panels(url: str, timeout: float) -> list[str]:
+    """The dashboard queries still without data once all have it or the timeout is over
+    (scrapes come every second, and a rate needs two of them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        empty = [f"{title}: {expr}" for title, expr, _ in dashboard_exprs() if not query(url, expr)]
+        if not empty or time.monotonic() > deadline:
+            return empty
+        time.sleep(1.0)
+
+
 def scale(server: ServerProcess, prefill: int, decode: int) -> None:
     replicas = {"prefill": prefill, "decode": decode}
     response = httpx.post(f"{server.url}/admin/scale", json={"replicas": replicas}, timeout=300)
@@ -67,12 +78,13 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus() -> None:
     with serve() as server, prometheus(server.url.removeprefix("http://")) as prom:
         start = time.time()
         run_load(server)
-        abort_one_stream(server)
-        wait_for_series(prom, 'splitserve:request_failure_total{reason="abort"}')
-        time.sleep(3)
-        empty = [
-            f"{title}: {expr}" for title, expr, _ in dashboard_exprs() if not query(prom, expr)
-        ]
+        # A light load goes on while the panels are read: their rate() windows (30 s) must
+        # see traffic, however fast the main load went.
+        with Load(server.url, concurrency=1, max_tokens=8) as background:
+            abort_one_stream(server)
+            wait_for_series(prom, 'splitserve:request_failure_total{reason="abort"}')
+            empty = empty_panels(prom, timeout=60.0)
+        assert background.failures == []
         assert empty == []
         pools = {s["metric"]["pool"] for s in query(prom, "splitserve:num_workers")}
         assert pools == {"prefill", "decode"}
