@@ -26,6 +26,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from splitserve.kernels.activation import silu_and_mul_ref
+from splitserve.kernels.rmsnorm import rms_norm_ref
+
 
 @triton.jit
 def _gemv_kernel(
@@ -151,12 +154,6 @@ def gemv_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The torch reference: the model's own ops, one after the other."""
     h = x if residual is None else x + residual
-    a = h
-    if norm_weight is not None:
-        h32 = h.float()
-        a = norm_weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    a = h if norm_weight is None else rms_norm_ref(h, norm_weight, eps)
     out = F.linear(a, weight, bias)
-    if gated:
-        gate, up = out.split(out.shape[-1] // 2, dim=-1)
-        out = F.silu(gate) * up
-    return out, None if residual is None else h
+    return (silu_and_mul_ref(out) if gated else out), None if residual is None else h

@@ -45,10 +45,10 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def _setup(self) -> None:
-        self.timeout_s = float(self.transfer.get("timeout_s", 30.0))
         self.transport = open_transport(
             self.worker_id, self.store, self.config.device, self.transfer
         )
+        self.timeout_s = self.transport.timeout.total_seconds()
         self._headers = self._ctx.socket(zmq.PULL)
         port = self._headers.bind_to_random_port(f"tcp://{self.bind_host}")
         self.kv_addr = f"tcp://{self.bind_host}:{port}"

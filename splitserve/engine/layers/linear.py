@@ -10,6 +10,8 @@ the one-row variant for A/B benchmarks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -54,12 +56,17 @@ def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return layer(x) if out is None else out
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    if _one_row(x, layer):
-        from splitserve.kernels.gemv import gemv
+def _gemv(
+    x: torch.Tensor, layer: nn.Linear, **fused: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The GEMV kernel on layer's weight (imported here: Triton is optional)."""
+    from splitserve.kernels.gemv import gemv
 
-        return gemv(x.contiguous(), layer.weight, layer.bias)[0]
-    return dense(x, layer)
+    return gemv(x.contiguous(), layer.weight, layer.bias, **fused)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return _gemv(x, layer)[0] if _one_row(x, layer) else dense(x, layer)
 
 
 def norm_linear(
@@ -74,12 +81,9 @@ def norm_linear(
     gated: layer is a gate|up projection and the output is silu(gate) * up."""
     one_row = _one_row(x, layer)
     if one_row and decode_path() == "fused" and _weight_bytes(layer) <= NORM_FOLD_MAX_BYTES:
-        from splitserve.kernels.gemv import gemv
-
-        out, summed = gemv(
-            x.contiguous(),
-            layer.weight,
-            layer.bias,
+        out, summed = _gemv(
+            x,
+            layer,
             residual=None if residual is None else residual.contiguous(),
             norm_weight=norm.weight,
             eps=norm.eps,
@@ -91,8 +95,6 @@ def norm_linear(
     else:
         h, residual = norm.add_and_norm(x, residual)
     if one_row:
-        from splitserve.kernels.gemv import gemv
-
-        return gemv(h.contiguous(), layer.weight, layer.bias, gated=gated)[0], residual
+        return _gemv(h, layer, gated=gated)[0], residual
     out = dense(h, layer)
     return (silu_and_mul(out) if gated else out), residual
