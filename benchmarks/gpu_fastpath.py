@@ -100,6 +100,27 @@ def checks() -> list[dict[str, Any]]:
     err = max(max_err(q, q_ref), max_err(cache, ref_cache))
     rows.append({"check": "rotary_kv_write", "max_err": err, "ok": err <= 1.6e-2})
 
+    # Rotary + K/V write + decode attention in one launch against the two launches.
+    for splits in (1, 8):
+        cache = torch.randn(2, 40, bs, kv_heads, dim, dtype=BF16, device=DEV)
+        ref_cache = cache.clone()
+        lens = torch.tensor([1, 100, 333, 640], device=DEV)
+        tables = torch.randperm(40, device=DEV).view(4, 10)
+        pos = lens - 1
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, dtype=BF16, device=DEV)
+        out = decode_attention.paged_decode_attention_qkv(
+            qkv, heads, pos, *rot, slots, cache[0], cache[1], tables, lens, dim**-0.5,
+            num_splits=splits,
+        )  # fmt: skip
+        q = rotary.rotary_kv_write(pos, qkv, heads, *rot, ref_cache[0], ref_cache[1], slots)
+        ref = decode_attention.paged_decode_attention_ref(
+            q, ref_cache[0], ref_cache[1], tables, lens, dim**-0.5
+        )
+        err = max(max_err(out, ref), max_err(cache, ref_cache))
+        name = f"decode_attention_qkv splits={splits}"
+        rows.append({"check": name, "max_err": err, "ok": err <= 1.6e-2})
+
     logits = torch.randn(3, 128256, device=DEV)
     logits[1, 5000] = logits[1, 90000] = 50.0
     same = torch.equal(argmax.argmax_rows(logits), logits.argmax(-1))
@@ -220,6 +241,8 @@ def attention() -> list[dict[str, Any]]:
             variants: list[tuple[int | None, int | None, int]] = [(None, None, 4)]
             if batch == 1:
                 variants += list(itertools.product((8, 16, 32), (16, 32, 64, 128), (2, 4)))
+            if batch == 1:
+                rows += _attention_qkv(shape, q, k_cache, v_cache, tables, lens)
             for splits, block_n, warps in variants:
                 kw = dict(num_splits=splits, block_n=block_n, num_warps=warps)
                 fn = decode_attention.paged_decode_attention
@@ -230,6 +253,40 @@ def attention() -> list[dict[str, Any]]:
                     "ok": err <= 1.6e-2,
                 })  # fmt: skip
     return rows
+
+
+def _attention_qkv(
+    shape: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> list[dict[str, Any]]:
+    """A decode step's attention from the q|k|v projection: rotary_kv_write then attention
+    (two launches) against paged_decode_attention_qkv (one)."""
+    batch, heads, dim = q.shape
+    kv_heads, bs = k_cache.shape[2], k_cache.shape[1]
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, dtype=BF16, device=DEV)
+    rot = _rotary_tables(dim)
+    pos = lens - 1
+    slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    scale = dim**-0.5
+
+    def two_launches() -> torch.Tensor:
+        q = rotary.rotary_kv_write(pos, qkv, heads, *rot, k_cache, v_cache, slots)
+        return decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+    def one_launch() -> torch.Tensor:
+        return decode_attention.paged_decode_attention_qkv(
+            qkv, heads, pos, *rot, slots, k_cache, v_cache, tables, lens, scale
+        )
+
+    context = int(lens[0])
+    return [
+        {"shape": shape, "batch": batch, "context": context, "variant": name, "us": us(fn)}
+        for name, fn in (("rotary_kv_write + attention", two_launches), ("qkv", one_launch))
+    ]
 
 
 def argmax_rows() -> list[dict[str, Any]]:
@@ -281,7 +338,11 @@ def main() -> int:
               f"({p['gemv_gbps']:5.0f} GB/s){extra}")  # fmt: skip
     for shape in SHAPES:
         for batch in (1, 64):
-            rows = [r for r in result["attention"] if r["shape"] == shape and r["batch"] == batch]
+            rows = [
+                r
+                for r in result["attention"]
+                if r["shape"] == shape and r["batch"] == batch and "variant" not in r
+            ]
             if not rows:
                 continue
             default = rows[0]
@@ -289,7 +350,10 @@ def main() -> int:
             print(f"attention {shape} B={batch}: default {default['us']:.1f} us; best "
                   f"{best['us']:.1f} us at splits={best['splits']} block_n={best['block_n']} "
                   f"warps={best['warps']} (err {best['max_err']:.1e})")  # fmt: skip
-    bad = [a for a in result["attention"] if not a["ok"]]
+    for r in result["attention"]:
+        if "variant" in r:
+            print(f"attention {r['shape']} B=1 from q|k|v: {r['variant']} {r['us']:.1f} us")
+    bad = [a for a in result["attention"] if not a.get("ok", True)]
     for a in bad:
         print(f"FAIL attention {a}")
     return 0 if all(c["ok"] for c in result["checks"]) and not bad else 1

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU projections through F.linear (MKL) instead of oneDNN (the A/B baseline)",
     )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch the decode kernels without programmatic dependent launch (A/B baseline)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
@@ -73,6 +78,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from splitserve.engine.layers.cpu_gemm import set_onednn_enabled
 
         set_onednn_enabled(False)
+    if args.no_pdl:
+        from splitserve.kernels.pdl import set_pdl_enabled
+
+        set_pdl_enabled(False)
     if args.gemv_max_mb is not None:
         from splitserve.engine.layers import linear
 

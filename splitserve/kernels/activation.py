@@ -7,9 +7,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -31,7 +37,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     assert x.stride(1) == 1, "last dimension must be contiguous"
     block = min(1024, triton.next_power_of_2(inter))
     grid = (tokens, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+    _silu_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, **pdl.launch_kwargs(x)
+    )
     return out
 
 

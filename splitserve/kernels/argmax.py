@@ -11,11 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
+
 
 @triton.jit
 def _chunk_argmax_kernel(
-    x_ptr, val_ptr, idx_ptr, vocab, stride_x, num_chunks, CHUNK: tl.constexpr
+    x_ptr, val_ptr, idx_ptr, vocab, stride_x, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -28,7 +32,11 @@ def _chunk_argmax_kernel(
 
 
 @triton.jit
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, vocab, num_chunks, PAD_C: tl.constexpr):
+def _row_argmax_kernel(
+    val_ptr, idx_ptr, out_ptr, vocab, num_chunks, PAD_C: tl.constexpr, PDL: tl.constexpr
+):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, PAD_C)
     mask = c < num_chunks
@@ -49,9 +57,22 @@ def argmax_rows(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     vals = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](
-        logits, vals, idx, vocab, logits.stride(0), num_chunks, CHUNK=chunk
+        logits,
+        vals,
+        idx,
+        vocab,
+        logits.stride(0),
+        num_chunks,
+        CHUNK=chunk,
+        **pdl.launch_kwargs(logits),
     )
     _row_argmax_kernel[(rows,)](
-        vals, idx, out, vocab, num_chunks, PAD_C=triton.next_power_of_2(num_chunks)
+        vals,
+        idx,
+        out,
+        vocab,
+        num_chunks,
+        PAD_C=triton.next_power_of_2(num_chunks),
+        **pdl.launch_kwargs(logits),
     )
     return out

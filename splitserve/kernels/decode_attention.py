@@ -5,6 +5,11 @@ of one tile (GQA without repeating K/V), and the split's range of context tokens
 tiles of BLOCK_N tokens gathered through the block table (any block size). With more than one
 split (flash-decoding) each split writes a partial output and its log-sum-exp, and a second
 kernel merges them.
+
+``paged_decode_attention_qkv`` takes the step's q|k|v projection instead of a rotated q: each
+program rotates its query heads itself, and the program whose split holds the newest token
+rotates that token's key, writes it and its value to the cache and only then walks its tiles.
+That is the rotary + K/V write launch of a decode step folded into the attention launch.
 """
 
 from __future__ import annotations
@@ -13,21 +18,38 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
 from splitserve.kernels.dispatch import num_sms
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rotated(src, d, c, s, mask, HALF: tl.constexpr):
+    """Rotate-half rotary of the rows at src (one head each, d the column index), rounded like
+    the model's torch code: round(x * cos) + round(rotate_half(x) * sin)."""
+    dtype = src.dtype.element_ty
+    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32) * sign
+    out = (x * c).to(dtype).to(tl.float32) + (x_rot * s).to(dtype).to(tl.float32)
+    return out.to(dtype)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_table, stride_ot, stride_oh,
+    stride_table, stride_ot, stride_oh, stride_cos, num_heads,
     GROUP: tl.constexpr, PAD_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -41,7 +63,32 @@ def _decode_kernel(
     heads = kv_head * GROUP + g
     row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q_off = seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_mask, other=0.0)
+    if FROM_QKV:
+        # q_ptr is the q|k|v row of each sequence; cos/sin rows are [HEAD_DIM], halves equal.
+        dtype = k_cache_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr + seq)
+        c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
+        s = tl.load(sin_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
+        c = c.to(dtype).to(tl.float32)
+        s = s.to(dtype).to(tl.float32)
+        row = q_ptr + seq * stride_qt
+        q = _rotated(row + heads[:, None] * HEAD_DIM, d[None, :], c[None, :], s[None, :],
+                     row_mask, HEAD_DIM // 2)  # fmt: skip
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if (context - 1 >= start) & (context - 1 < end) & (slot >= 0):
+            k_src = row + (num_heads + kv_head) * HEAD_DIM
+            dmask = d < HEAD_DIM
+            k_new = _rotated(k_src, d, c, s, dmask, HEAD_DIM // 2)
+            v_new = tl.load(k_src + tl.num_programs(1) * HEAD_DIM + d, mask=dmask)
+            at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+            tl.store(k_cache_ptr + at + kv_head * stride_kh + d, k_new, mask=dmask)
+            at = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
+            tl.store(v_cache_ptr + at + kv_head * stride_vh + d, v_new, mask=dmask)
+            # The tiles below read the new token back; the barrier makes every thread's
+            # store visible to the whole program first.
+            tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + q_off, mask=row_mask, other=0.0)
 
     m = tl.full([PAD_G], float("-inf"), tl.float32)
     l = tl.zeros([PAD_G], tl.float32)  # noqa: E741
@@ -82,8 +129,10 @@ def _decode_kernel(
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PAD_S: tl.constexpr,
+    PAD_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, PAD_S)
@@ -139,12 +188,68 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     (padded); context_lens [B] -> [B, H, D]. Written into ``out`` when given."""
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
+    assert q.stride(2) == 1
+    _launch(q, q.shape[1], q.stride(0), q.stride(1), None, k_cache, v_cache, block_tables,
+            context_lens, scale, out, num_splits, block_n, num_warps)  # fmt: skip
+    return out
+
+
+def paged_decode_attention_qkv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Rotary, the K/V write and decode attention in one launch. qkv: [B, (H + 2 * Hkv) * D]
+    (q | k | v of each sequence's newest token, at ``positions``, going to ``slot_mapping``;
+    negative slots are padding and not written); cos/sin: [max_positions, D] float32 tables;
+    context_lens count the newest token. -> [B, H, D], as rotary_kv_write followed by
+    paged_decode_attention."""
+    head_dim = k_cache.shape[3]
+    assert qkv.shape[1] == (num_heads + 2 * k_cache.shape[2]) * head_dim and qkv.stride(1) == 1
+    assert k_cache.dtype == qkv.dtype and slot_mapping.is_contiguous() and positions.is_contiguous()
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
+    if out is None:
+        out = torch.empty((qkv.shape[0], num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    rotary = (positions, cos, sin, slot_mapping)
+    _launch(qkv, num_heads, qkv.stride(0), head_dim, rotary, k_cache, v_cache, block_tables,
+            context_lens, scale, out, num_splits, block_n, num_warps)  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    num_heads: int,
+    stride_qt: int,
+    stride_qh: int,
+    rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None,
+    block_n: int | None,
+    num_warps: int,
+) -> None:
+    batch = q.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     if batch == 0:
-        return out
-    assert q.stride(2) == 1 and out.stride(2) == 1
+        return
+    assert out.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     assert context_lens.is_contiguous()
     group = num_heads // num_kv_heads
@@ -158,23 +263,25 @@ def paged_decode_attention(
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, pad_d), device=q.device)
         part_lse = torch.empty((batch, num_heads, splits), device=q.device)
+    positions, cos, sin, slots = rotary or (context_lens, out, out, context_lens)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        positions, cos, sin, slots,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), cos.stride(0), num_heads,
         GROUP=group, PAD_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAD_D=pad_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PRECISION=_precision(q.dtype), num_warps=num_warps,
+        NUM_SPLITS=splits, PRECISION=_precision(q.dtype), FROM_QKV=rotary is not None,
+        num_warps=num_warps, **pdl.launch_kwargs(q),
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, PAD_D=pad_d, NUM_SPLITS=splits,
-            PAD_S=triton.next_power_of_2(splits),
+            PAD_S=triton.next_power_of_2(splits), **pdl.launch_kwargs(q),
         )  # fmt: skip
-    return out
 
 
 def _precision(dtype: torch.dtype) -> str:

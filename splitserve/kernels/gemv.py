@@ -11,7 +11,9 @@ kernel computes one row x [K] times weight [N, K]^T:
   row once for the sum of squares and normalizes each tile as it multiplies; the first
   program writes the residual sum to a fresh buffer;
 - epilogue (optional): a bias, and for a gate|up weight [2 * I, K] ``silu(gate) * up`` (each
-  program computes the matching gate and up columns).
+  program computes the matching gate and up columns);
+- with programmatic dependent launch (``pdl.py``) each program loads its first weight tile
+  before it waits for the kernel before it, so the weight stream starts while that one ends.
 
 Rounding follows the torch code: the residual sum, the normalized row, its product with the
 norm weight, the projection and SiLU are each rounded to the activation dtype.
@@ -26,8 +28,31 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
 from splitserve.kernels.activation import silu_and_mul_ref
 from splitserve.kernels.rmsnorm import rms_norm_ref
+
+
+@triton.jit
+def _accumulate(
+    acc, acc_up, w, u, kk, K, x_ptr, res_ptr, nw_ptr, rstd, dtype: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """Adds one K tile's products: the activation tile (residual added and normalized when
+    asked) times the weight tile w (and the up tile u when gated)."""
+    k_mask = kk < K
+    a = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + kk, mask=k_mask, other=0.0)
+        a = (a.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    if NORM:
+        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        a = ((a.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype)
+    a32 = a.to(tl.float32)[None, :]
+    acc += w.to(tl.float32) * a32
+    if GATED:
+        acc_up += u.to(tl.float32) * a32
+    return acc, acc_up
 
 
 @triton.jit
@@ -35,12 +60,24 @@ def _gemv_kernel(
     x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
     N, K, eps, stride_w, up_offset,
     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PAD_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAD_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     dtype = out_ptr.dtype.element_ty
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+
+    # The first K tile of the weights needs nothing from the kernel before: under PDL it
+    # streams in while that kernel finishes.
+    kk = tl.arange(0, BLOCK_K)
+    w_mask = col_mask[:, None] & (kk < K)[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    u = w
+    if GATED:
+        u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
+    pdl.wait(PDL)
 
     rstd = 0.0
     if NORM:
@@ -56,24 +93,16 @@ def _gemv_kernel(
 
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    for k0 in range(0, K, BLOCK_K):
+    acc, acc_up = _accumulate(acc, acc_up, w, u, kk, K, x_ptr, res_ptr, nw_ptr, rstd, dtype,
+                              HAS_RESIDUAL, NORM, GATED)  # fmt: skip
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
-        a = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + kk, mask=k_mask, other=0.0)
-            a = (a.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        if NORM:
-            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            a = ((a.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype)
-        a32 = a.to(tl.float32)[None, :]
-        w_mask = col_mask[:, None] & k_mask[None, :]
+        w_mask = col_mask[:, None] & (kk < K)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-        acc += w.to(tl.float32) * a32
         if GATED:
             u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
-            acc_up += u.to(tl.float32) * a32
+        acc, acc_up = _accumulate(acc, acc_up, w, u, kk, K, x_ptr, res_ptr, nw_ptr, rstd, dtype,
+                                  HAS_RESIDUAL, NORM, GATED)  # fmt: skip
 
     out = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -137,7 +166,7 @@ def gemv(
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, GATED=gated,
         HAS_BIAS=bias is not None, PAD_K=triton.next_power_of_2(k) if norm_weight is not None
         else 1, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out, res_out
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -26,7 +28,10 @@ def _rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -68,6 +73,7 @@ def _launch(
             HAS_RESIDUAL=res2 is not None,
             BLOCK=triton.next_power_of_2(hidden),
             num_warps=min(16, max(1, hidden // 512)),
+            **pdl.launch_kwargs(x2),
         )
     new_res = None if res_out is None else res_out.view(x.shape)
     return out.view(x.shape), new_res

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
+
 
 @triton.jit
 def _rotate_heads(
@@ -69,7 +71,10 @@ def _rotary_kv_write_kernel(
     num_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
     PAD_HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HKV: tl.constexpr, PAD_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     token = tl.program_id(0)
     dtype = q_out_ptr.dtype.element_ty
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, PAD_HALF)
@@ -143,6 +148,7 @@ def rotary_kv_write(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HALF=half,
         PAD_HALF=triton.next_power_of_2(half), PAD_H=triton.next_power_of_2(num_heads),
         PAD_HKV=triton.next_power_of_2(num_kv_heads), PAD_D=triton.next_power_of_2(head_dim),
+        **pdl.launch_kwargs(qkv),
     )  # fmt: skip
     return q_out
 

@@ -15,6 +15,10 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels import gemv as gemv_module
 from splitserve.kernels.argmax import argmax_rows
+from splitserve.kernels.decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_qkv,
+)
 from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
@@ -100,6 +104,41 @@ def test_rotary_kv_write_equals_rotary_then_write(
     torch.testing.assert_close(q.float(), q_expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache.float(), k_ref.float(), atol=tol, rtol=tol)
     assert torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (6, 2, 64), (3, 1, 48)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_from_qkv_equals_rotary_kv_write_then_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, num_splits: int
+) -> None:
+    torch.manual_seed(heads * 100 + head_dim + num_splits)
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    block_size, num_blocks = 16, 48
+    contexts = [1, 37, 130, 64, 5]  # the last row is padding: slot -1, nothing written
+    tables = torch.randperm(num_blocks)[: 5 * 9].view(5, 9)
+    lens = torch.tensor(contexts)
+    positions = lens - 1
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size
+    slots = slots + positions % block_size
+    slots[-1] = -1
+    qkv = torch.randn(len(contexts), (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    scale = head_dim**-0.5
+
+    out = paged_decode_attention_qkv(
+        qkv, heads, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache, tables, lens,
+        scale, num_splits=num_splits, block_n=16,
+    )  # fmt: skip
+
+    q = rotary_kv_write(positions, qkv, heads, rotary.cos, rotary.sin, k_ref, v_ref, slots)
+    ref = paged_decode_attention(
+        q, k_ref, v_ref, tables, lens, scale, num_splits=num_splits, block_n=16
+    )
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("chunk", [64, 1024])

@@ -1,7 +1,8 @@
 """Attention backend on the Triton kernels of ``splitserve.kernels``.
 
 Rotary fused with the K/V write, paged decode attention and varlen paged prefill attention each
-run as one launch for the whole step. The prefill kernel takes the step's prefill segments as
+run as one launch for the whole step; a step of decode tokens only runs all three as one launch
+(``paged_decode_attention_qkv``). The prefill kernel takes the step's prefill segments as
 tensors (row starts, lengths, context lengths, a padded block table); they are built once per
 step, on the first layer that sees the metadata, and reused by the other layers.
 """
@@ -15,7 +16,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.rotary import RotaryEmbedding
-from splitserve.kernels.decode_attention import paged_decode_attention
+from splitserve.kernels.decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_qkv,
+)
 from splitserve.kernels.kv_write import write_kv_cache
 from splitserve.kernels.prefill_attention import paged_prefill_attention
 from splitserve.kernels.rotary import rotary_kv_write
@@ -77,7 +81,14 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Rotary and the K/V write in one launch, then attention over the cache."""
+        """Rotary and the K/V write in one launch, then attention over the cache; all three in
+        one launch when every token of the step is a decode token."""
+        if not meta.prefills and meta.num_decode_tokens == qkv.shape[0]:
+            return paged_decode_attention_qkv(
+                qkv, self.num_heads, positions, rotary.cos, rotary.sin, meta.slot_mapping,
+                k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale,
+            )  # fmt: skip
         q = rotary_kv_write(
             positions, qkv, self.num_heads, rotary.cos, rotary.sin, k_cache, v_cache,
             meta.slot_mapping,
