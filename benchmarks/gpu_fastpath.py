@@ -104,7 +104,7 @@ def checks() -> list[dict[str, Any]]:
     for splits in (1, 8):
         cache = torch.randn(2, 40, bs, kv_heads, dim, dtype=BF16, device=DEV)
         ref_cache = cache.clone()
-        lens = torch.tensor([1, 100, 333, 640], device=DEV)
+        lens = torch.tensor([1, 50, 111, 160], device=DEV)  # tables of 10 blocks of 16
         tables = torch.randperm(40, device=DEV).view(4, 10)
         pos = lens - 1
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
@@ -165,12 +165,13 @@ def try_us(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
 def projections(sweep: bool) -> list[dict[str, Any]]:
     """One row: cuBLAS beside the GEMV; after a norm, the three decode paths of the engine."""
     rows = []
-    for shape, (hidden, heads, kv_heads, dim, inter, _) in SHAPES.items():
+    for shape, (hidden, heads, kv_heads, dim, inter, vocab) in SHAPES.items():
         projs = {
             "qkv": ((heads + 2 * kv_heads) * dim, hidden, False),
             "o": (hidden, heads * dim, False),
             "gate_up": (2 * inter, hidden, True),
             "down": (hidden, inter, False),
+            "lm_head": (vocab, hidden, False),
         }
         for name, (n, k, gated) in projs.items():
             nbytes = n * k * 2

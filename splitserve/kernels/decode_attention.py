@@ -66,9 +66,9 @@ def _decode_kernel(
     if FROM_QKV:
         # q_ptr is the q|k|v row of each sequence; cos/sin rows are [HEAD_DIM], halves equal.
         dtype = k_cache_ptr.dtype.element_ty
-        pos = tl.load(pos_ptr + seq)
-        c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
-        s = tl.load(sin_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
+        position = tl.load(pos_ptr + seq)
+        c = tl.load(cos_ptr + position * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
+        s = tl.load(sin_ptr + position * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
         c = c.to(dtype).to(tl.float32)
         s = s.to(dtype).to(tl.float32)
         row = q_ptr + seq * stride_qt

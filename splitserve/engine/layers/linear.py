@@ -20,20 +20,21 @@ from splitserve.engine.layers.cpu_gemm import onednn_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
 
-GEMV_MAX_BYTES = 128 << 20
-"""Weights up to this size take the GEMV at one row. On an H200, weights streamed from memory
-(benchmarks/gpu_fastpath.py): the GEMV beats cuBLAS on every SmolLM2-135M projection (2.5-3.7
-against 3.6-5.2 us) and on Llama-3-8B's o (11.5 against 13.6 us) and down (31.8 against
-32.8); the 235 MB gate|up stays on cuBLAS (61 against 56 us in one run, 62 against 61 in
-another). End to end, Llama-3-8B batch 1 with this limit against 16 MB (all of its
-projections on cuBLAS), same run each (benchmarks/gpu_fastpath.sh): 202.4 against 197.4 tok/s
-on one machine, 210.8 against 211.1 on another."""
+GEMV_MAX_BYTES = 256 << 20
+"""Weights up to this size take the GEMV at one row: every projection of Llama-3-8B and
+SmolLM2-135M (the lm_head stays on cuBLAS: SmolLM2's 57 MB of 576-wide rows took 26.6 us on
+the GEMV against cuBLAS's 15.9, Llama-3-8B's 1 GB 231.6 against 237.2). On an
+H200 with programmatic dependent launch (``kernels/pdl.py``), weights streamed from memory
+inside a CUDA graph (benchmarks/gpu_fastpath.py): Llama-3-8B q|k|v 13.2 us against cuBLAS's
+16.7, o 8.3 against 13.7, gate|up 53.6 against 55.7, down 27.2 against 31.5; SmolLM2 1.4-2.4
+against 3.6-5.2 us. Without PDL the 235 MB gate|up lost to cuBLAS (61 against 56 us)."""
 
-NORM_FOLD_MAX_BYTES = 16 << 20
-"""The norm is folded into the GEMV only for weights up to this size. Every program of the
-GEMV reads the whole row for the norm's sum of squares: beside a few KB of weights per program
-(SmolLM2: q|k|v 3.0 us folded against 4.3 with the norm kernel) that is cheap, beside 50 MB
-split over 1,536 programs it is not (Llama-3-8B q|k|v: 21.6 against 20.2 us)."""
+NORM_FOLD_MAX_BYTES = 256 << 20
+"""The norm is folded into the GEMV for weights up to this size. Every program of the GEMV
+reads the whole row for the norm's sum of squares; with PDL that costs less than a norm
+launch even beside Llama-3-8B's 50 MB q|k|v (14.2 us folded against 14.9 with the norm
+kernel) and 235 MB gate|up (54.7 against 55.5); without PDL it did not (21.6 against 20.2 for
+q|k|v)."""
 
 
 def _weight_bytes(layer: nn.Linear) -> int:
