@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.cuda_graphs import DecodeGraphs, bucket_sizes
@@ -33,3 +35,59 @@ def test_padded_decode_path_gives_the_same_tokens(
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert calls and max(calls) == 5
     assert llm.engine.stats().num_free_blocks == 64
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]])
+def test_fill_packs_the_padded_inputs_and_takes_pending_tokens_from_the_step_in_flight(
+    order: list[int],
+) -> None:
+    """One copy fills the bucket's inputs; tokens the host does not know yet come from the
+    step in flight, whether its rows are in the same order (one copy) or not (a gather)."""
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), max_blocks_per_seq=3, block_size=16, scratch_block=9
+    )
+    graphs = DecodeGraphs(runner, 4, capture=False)  # type: ignore[arg-type]
+    known = SimpleNamespace(num_computed_tokens=20, num_pending=0, block_table=[4, 5],
+                            all_token_ids=list(range(100, 121)))  # fmt: skip
+    pending = [
+        SimpleNamespace(num_computed_tokens=p, num_pending=1, block_table=table, all_token_ids=[])
+        for p, table in ((3, [1]), (33, [2, 3, 6]))
+    ]
+    requests = [pending[0], known, pending[1]]
+    in_flight = [requests[i] for i in order]
+    prev = SimpleNamespace(
+        row_of=lambda: {id(r): row for row, r in enumerate(in_flight)},
+        tokens=torch.tensor([1000 + row for row in range(3)]),
+    )
+    batch = SimpleNamespace(requests=requests)
+    graphs._fill(batch, 4, prev)  # type: ignore[arg-type]
+    inputs = graphs.inputs[4]
+    row_in_flight = {id(r): row for row, r in enumerate(in_flight)}
+    assert inputs.input_ids.tolist() == [
+        1000 + row_in_flight[id(pending[0])],
+        120,
+        1000 + row_in_flight[id(pending[1])],
+        0,
+    ]
+    assert inputs.positions.tolist() == [3, 20, 33, 0]
+    assert inputs.slots.tolist() == [1 * 16 + 3, 5 * 16 + 4, 6 * 16 + 1, 9 * 16]
+    assert inputs.lens.tolist() == [4, 21, 34, 1]
+    assert inputs.tables.tolist() == [[1, 9, 9], [4, 5, 9], [2, 3, 6], [9, 9, 9]]
+
+
+def test_fill_in_the_steady_state_copies_the_tokens_in_flight() -> None:
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), max_blocks_per_seq=2, block_size=16, scratch_block=7
+    )
+    graphs = DecodeGraphs(runner, 2, capture=False)  # type: ignore[arg-type]
+    requests = [
+        SimpleNamespace(num_computed_tokens=p, num_pending=1, block_table=[p], all_token_ids=[])
+        for p in (2, 5)
+    ]
+    prev = SimpleNamespace(
+        row_of=lambda: {id(r): row for row, r in enumerate(requests)},
+        tokens=torch.tensor([41, 42]),
+    )
+    graphs._fill(SimpleNamespace(requests=requests), 2, prev)  # type: ignore[arg-type]
+    assert graphs.inputs[2].input_ids.tolist() == [41, 42]
+    assert graphs.inputs[2].slots.tolist() == [2 * 16 + 2, 5 * 16 + 5]

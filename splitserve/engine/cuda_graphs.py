@@ -5,6 +5,11 @@ a scratch KV block that the block manager never hands out, and their logits are 
 block table has a fixed width (the context length in blocks), so every step of a bucket has
 the same shapes. On CPU nothing is captured and the same padded inputs run eagerly, which is
 how the padding logic is tested without a GPU.
+
+Each bucket's inputs (token ids, positions, slots, context lengths, block tables) are views
+of one flat buffer, filled by one host-to-device copy per step. Each graph also takes the
+argmax of its logits (``run_greedy``): an overlapped greedy step then launches nothing but the
+copy and the graph.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.engine.layers.attention import AttentionMetadata
+from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -26,19 +32,28 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
+class BucketInputs:
+    """One bucket's static inputs as views of one flat int64 buffer, in the order the host
+    packs them: ids, positions, slots, context lengths [size] each, tables [size, width]."""
+
+    def __init__(self, size: int, width: int, device: torch.device) -> None:
+        self.flat = torch.zeros(size * (4 + width), dtype=torch.long, device=device)
+        ids, pos, slots, lens, tables = self.flat.split([size, size, size, size, size * width])
+        self.input_ids, self.positions, self.slots, self.lens = ids, pos, slots, lens
+        self.tables = tables.view(size, width)
+        self.lens.fill_(1)
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, capture: bool) -> None:
         self.runner = runner
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
-        device, width = runner.device, runner.max_blocks_per_seq
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.tables = torch.zeros(max_batch, width, dtype=torch.long, device=device)
-        self.lens = torch.ones(max_batch, dtype=torch.long, device=device)
+        device, self.width = runner.device, runner.max_blocks_per_seq
+        self.inputs = {size: BucketInputs(size, self.width, device) for size in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}
         if capture:
             self._capture_all()
 
@@ -64,11 +79,21 @@ class DecodeGraphs:
             logits = self._forward(size)
         return logits[:count], list(range(count))
 
+    @torch.inference_mode()
+    def run_greedy(self, batch: ScheduledBatch, prev: InflightStep | None) -> torch.Tensor:
+        """run(), then each request's argmax token on the device (taken inside the graph)."""
+        count = len(batch.requests)
+        size = next(b for b in self.buckets if b >= count)
+        logits, _ = self.run(batch, prev)
+        if size in self.graphs:
+            return self.greedy[size][:count]
+        return greedy_tokens(logits)
+
     def _fill(self, batch: ScheduledBatch, size: int, prev: InflightStep | None) -> None:
-        """One host-to-device copy of the padded inputs, then device-side scatters into the
-        static buffers; the input tokens that are still on the device come from prev."""
+        """One host-to-device copy of the padded inputs into the bucket's buffer; the input
+        tokens that are still on the device come from prev."""
         bs, scratch = self.runner.block_size, self.runner.scratch_block
-        width = self.tables.shape[1]
+        width = self.width
         ids, pos, slots, lens, tables = [], [], [], [], []
         rows, prev_rows = [], []
         prev_row = prev.row_of() if prev is not None else {}
@@ -90,33 +115,34 @@ class DecodeGraphs:
         slots += [scratch * bs] * padding
         lens += [1] * padding
         tables += [[scratch] * width] * padding
-        flat = [*ids, *pos, *slots, *lens, *(i for t in tables for i in t), *rows, *prev_rows]
-        staged = torch.tensor(flat, dtype=torch.long)
-        device = self.input_ids.device
-        if device.type == "cuda":
+        staged = torch.tensor([*ids, *pos, *slots, *lens, *(i for t in tables for i in t)])
+        inputs = self.inputs[size]
+        if inputs.flat.device.type == "cuda":
             # Pinned, so that the copy does not wait for the step in flight to finish.
             staged = staged.pin_memory()
-        packed = staged.to(device, non_blocking=True)
-        parts = packed.split([size, size, size, size, size * width, len(rows), len(rows)])
-        self.input_ids[:size].copy_(parts[0])
-        self.positions[:size].copy_(parts[1])
-        self.slots[:size].copy_(parts[2])
-        self.lens[:size].copy_(parts[3])
-        self.tables[:size].copy_(parts[4].view(size, width))
-        if rows:
-            assert prev is not None
-            self.input_ids[parts[5]] = prev.tokens[parts[6]]
+        inputs.flat.copy_(staged, non_blocking=True)
+        if not rows:
+            return
+        assert prev is not None
+        if rows == prev_rows == list(range(len(rows))):
+            # Steady state: the same requests in the same order as the step in flight.
+            inputs.input_ids[: len(rows)].copy_(prev.tokens[: len(rows)])
+        else:
+            index = torch.tensor([*rows, *prev_rows]).to(inputs.flat.device, non_blocking=True)
+            dst, src = index.split(len(rows))
+            inputs.input_ids[dst] = prev.tokens[src]
 
     def _forward(self, size: int) -> torch.Tensor:
+        inputs = self.inputs[size]
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size],
+            slot_mapping=inputs.slots,
             num_decode_tokens=size,
-            decode_block_tables=self.tables[:size],
-            decode_context_lens=self.lens[:size],
+            decode_block_tables=inputs.tables,
+            decode_context_lens=inputs.lens,
             prefills=[],
         )
         model = self.runner.model
-        hidden = model(self.input_ids[:size], self.positions[:size], meta)
+        hidden = model(inputs.input_ids, inputs.positions, meta)
         return model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -132,6 +158,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[size] = self._forward(size)
+                self.greedy[size] = greedy_tokens(self.logits[size])
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()

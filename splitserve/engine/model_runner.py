@@ -14,7 +14,6 @@ from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.multimodal import step_embeddings, touches_images
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,8 +123,7 @@ class ModelRunner:
         """Start a decode step of plain greedy requests without waiting for it: the argmax
         stays on the device (inputs for the next step) and its copy to the host is queued."""
         assert self.overlapped is not None
-        logits, _ = self.overlapped.run(batch, prev)
-        return InflightStep.start(batch, greedy_tokens(logits))
+        return InflightStep.start(batch, self.overlapped.run_greedy(batch, prev))
 
     def _prepare(
         self, batch: ScheduledBatch, image_segments: list[tuple[int, Request, int, int]]
