@@ -242,8 +242,9 @@ def attention() -> list[dict[str, Any]]:
             variants: list[tuple[int | None, int | None, int]] = [(None, None, 4)]
             if batch == 1:
                 variants += list(itertools.product((8, 16, 32), (16, 32, 64, 128), (2, 4)))
-            if batch == 1:
-                rows += _attention_qkv(shape, q, k_cache, v_cache, tables, lens)
+            if batch == 1:  # on copies: it writes the newest token's K/V into the caches
+                caches = k_cache.clone(), v_cache.clone()
+                rows += _attention_qkv(shape, q, *caches, tables, lens)
             for splits, block_n, warps in variants:
                 kw = dict(num_splits=splits, block_n=block_n, num_warps=warps)
                 fn = decode_attention.paged_decode_attention

@@ -31,8 +31,11 @@ _SECTIONS = (
 
 
 def git_commit() -> str | None:
-    """The commit the harness runs from; outside a git checkout (a copied tree on a GPU
-    machine) the SPLITSERVE_GIT_COMMIT variable that the launching script sets, or None."""
+    """The commit the harness runs from: SPLITSERVE_GIT_COMMIT when set (a copied tree on a
+    GPU machine can carry stale git metadata, so the launching script names the commit), else
+    the checkout's HEAD, else None."""
+    if os.environ.get("SPLITSERVE_GIT_COMMIT"):
+        return os.environ["SPLITSERVE_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -43,7 +46,7 @@ def git_commit() -> str | None:
             check=True,
         )
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("SPLITSERVE_GIT_COMMIT")
+        return None
     return out.stdout.strip() or None
 
 
