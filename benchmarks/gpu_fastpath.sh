@@ -6,7 +6,8 @@
 # in the same run the batch-1 variants without parts of the path (--no-pdl; with
 # MODES="separate gemv" the earlier cuBLAS path and the GEMV without the norm folded in); then
 # the kernel checks and timings of benchmarks/gpu_fastpath.py. Results go to $OUT (default
-# benchmarks/results).
+# benchmarks/results); BUNDLE=1 packs them into $OUT/fastpath-results.tgz instead (the run
+# writes ten or more files, more than some remote runners hand back).
 source "$(dirname "$0")/gpu_env.sh"
 bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline \
     --attention-backend triton "$@"; }
@@ -34,4 +35,7 @@ step timeout 120 "$PY" benchmarks/profile_step.py --shape smollm2-135m --batch 1
     | grep ms/step
 [ -n "${SKIP_KERNELS:-}" ] || step timeout "${SWEEP_TIMEOUT:-300}" "$PY" \
     benchmarks/gpu_fastpath.py ${SWEEP:+--sweep} ${SKIP_ATTENTION:+--skip-attention}
+if [ -n "${BUNDLE:-}" ]; then
+    (cd "$OUT" && tar -czf fastpath-results.tgz ./*.json && rm -f ./*.json)
+fi
 exit $status
