@@ -70,24 +70,25 @@ class DecodeGraphs:
         """prev: the step still in flight whose sampled tokens are this step's inputs
         wherever the host does not know them yet (overlapped scheduling)."""
         count = len(batch.requests)
-        size = next(b for b in self.buckets if b >= count)
-        self._fill(batch, size, prev)
-        if size in self.graphs:
-            self.graphs[size].replay()
-            logits = self.logits[size]
-        else:
-            logits = self._forward(size)
-        return logits[:count], list(range(count))
+        return self._step(batch, prev)[1][:count], list(range(count))
 
     @torch.inference_mode()
     def run_greedy(self, batch: ScheduledBatch, prev: InflightStep | None) -> torch.Tensor:
         """run(), then each request's argmax token on the device (taken inside the graph)."""
         count = len(batch.requests)
-        size = next(b for b in self.buckets if b >= count)
-        logits, _ = self.run(batch, prev)
+        size, logits = self._step(batch, prev)
         if size in self.graphs:
             return self.greedy[size][:count]
-        return greedy_tokens(logits)
+        return greedy_tokens(logits[:count])
+
+    def _step(self, batch: ScheduledBatch, prev: InflightStep | None) -> tuple[int, torch.Tensor]:
+        """Fills the smallest bucket that holds the batch and runs it: (bucket, its logits)."""
+        size = next(b for b in self.buckets if b >= len(batch.requests))
+        self._fill(batch, size, prev)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return size, self.logits[size]
+        return size, self._forward(size)
 
     def _fill(self, batch: ScheduledBatch, size: int, prev: InflightStep | None) -> None:
         """One host-to-device copy of the padded inputs into the bucket's buffer; the input

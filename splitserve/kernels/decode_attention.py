@@ -20,21 +20,9 @@ import triton.language as tl
 
 from splitserve.kernels import pdl
 from splitserve.kernels.dispatch import num_sms
+from splitserve.kernels.rotary import cos_sin, rotate_half
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _rotated(src, d, c, s, mask, HALF: tl.constexpr):
-    """Rotate-half rotary of the rows at src (one head each, d the column index), rounded like
-    the model's torch code: round(x * cos) + round(rotate_half(x) * sin)."""
-    dtype = src.dtype.element_ty
-    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32) * sign
-    out = (x * c).to(dtype).to(tl.float32) + (x_rot * s).to(dtype).to(tl.float32)
-    return out.to(dtype)
 
 
 @triton.jit
@@ -66,24 +54,21 @@ def _decode_kernel(
     if FROM_QKV:
         # q_ptr is the q|k|v row of each sequence; cos/sin rows are [HEAD_DIM], halves equal.
         dtype = k_cache_ptr.dtype.element_ty
-        position = tl.load(pos_ptr + seq)
-        c = tl.load(cos_ptr + position * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
-        s = tl.load(sin_ptr + position * stride_cos + d, mask=d < HEAD_DIM, other=0.0)
-        c = c.to(dtype).to(tl.float32)
-        s = s.to(dtype).to(tl.float32)
+        c, s = cos_sin(pos_ptr, cos_ptr, sin_ptr, seq, stride_cos, dtype, HEAD_DIM, PAD_D)
         row = q_ptr + seq * stride_qt
-        q = _rotated(row + heads[:, None] * HEAD_DIM, d[None, :], c[None, :], s[None, :],
-                     row_mask, HEAD_DIM // 2)  # fmt: skip
+        q = rotate_half(row + heads[:, None] * HEAD_DIM, d[None, :], c, s, row_mask,
+                        HEAD_DIM // 2)  # fmt: skip
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         if (context - 1 >= start) & (context - 1 < end) & (slot >= 0):
             k_src = row + (num_heads + kv_head) * HEAD_DIM
-            dmask = d < HEAD_DIM
-            k_new = _rotated(k_src, d, c, s, dmask, HEAD_DIM // 2)
-            v_new = tl.load(k_src + tl.num_programs(1) * HEAD_DIM + d, mask=dmask)
+            dd = d[None, :]
+            dmask = dd < HEAD_DIM
+            k_new = rotate_half(k_src, dd, c, s, dmask, HEAD_DIM // 2)
+            v_new = tl.load(k_src + tl.num_programs(1) * HEAD_DIM + dd, mask=dmask)
             at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
-            tl.store(k_cache_ptr + at + kv_head * stride_kh + d, k_new, mask=dmask)
+            tl.store(k_cache_ptr + at + kv_head * stride_kh + dd, k_new, mask=dmask)
             at = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs
-            tl.store(v_cache_ptr + at + kv_head * stride_vh + d, v_new, mask=dmask)
+            tl.store(v_cache_ptr + at + kv_head * stride_vh + dd, v_new, mask=dmask)
             # The tiles below read the new token back; the barrier makes every thread's
             # store visible to the whole program first.
             tl.debug_barrier()

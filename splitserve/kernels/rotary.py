@@ -15,37 +15,43 @@ from splitserve.kernels import pdl
 
 
 @triton.jit
-def _rotate_heads(
-    src, dst, stride_src_h, stride_dst_h, heads, c, s,
-    HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HALF: tl.constexpr,
-):  # fmt: skip
-    """Rotates ``heads`` heads of one token from src to dst (both at the token's first head)."""
-    h = tl.arange(0, PAD_H)
-    d = tl.arange(0, PAD_HALF)
-    mask = (h < heads)[:, None] & (d < HALF)[None, :]
-    dtype = dst.dtype.element_ty
-    src_tile = src + h[:, None] * stride_src_h + d[None, :]
-    x1 = tl.load(src_tile, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src_tile + HALF, mask=mask, other=0.0).to(tl.float32)
-    lo = (x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)
-    hi = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    dst_tile = dst + h[:, None] * stride_dst_h + d[None, :]
-    tl.store(dst_tile, lo.to(dtype), mask=mask)
-    tl.store(dst_tile + HALF, hi.to(dtype), mask=mask)
+def rotate_half(src, d, c, s, mask, HALF: tl.constexpr):
+    """Rotary of the rows at ``src`` (one head each, ``d`` the column index, ``c``/``s`` from
+    ``cos_sin``), rounded like the torch code: round(x * cos) + round(rotate_half(x) * sin)."""
+    dtype = src.dtype.element_ty
+    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32) * sign
+    out = (x * c).to(dtype).to(tl.float32) + (x_rot * s).to(dtype).to(tl.float32)
+    return out.to(dtype)
 
 
 @triton.jit
-def _cos_sin(
+def cos_sin(
     pos_ptr, cos_ptr, sin_ptr, token, stride_cos,
-    dtype: tl.constexpr, HALF: tl.constexpr, PAD_HALF: tl.constexpr,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
 ):  # fmt: skip
-    """cos and sin of the token's position, rounded to the activation dtype, as [1, HALF]."""
+    """cos and sin of the token's position, rounded to the activation dtype, as [1, PAD_D]."""
     pos = tl.load(pos_ptr + token)
-    d = tl.arange(0, PAD_HALF)
-    dmask = d < HALF
+    d = tl.arange(0, PAD_D)
+    dmask = d < HEAD_DIM
     c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
     return c[None, :], s[None, :]
+
+
+@triton.jit
+def _rotate_heads(
+    src, dst, stride_src_h, stride_dst_h, heads, c, s,
+    HEAD_DIM: tl.constexpr, PAD_H: tl.constexpr, PAD_D: tl.constexpr,
+):  # fmt: skip
+    """Rotates ``heads`` heads of one token from src to dst (both at the token's first head)."""
+    h = tl.arange(0, PAD_H)[:, None]
+    d = tl.arange(0, PAD_D)[None, :]
+    mask = (h < heads) & (d < HEAD_DIM)
+    rotated = rotate_half(src + h * stride_src_h, d, c, s, mask, HEAD_DIM // 2)
+    tl.store(dst + h * stride_dst_h + d, rotated, mask=mask)
 
 
 @triton.jit
@@ -53,15 +59,15 @@ def _rotary_kernel(
     pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
     stride_cos, stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, num_heads, num_kv_heads,
-    HALF: tl.constexpr, PAD_HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, PAD_H: tl.constexpr, PAD_HKV: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     dtype = q_out_ptr.dtype.element_ty
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, PAD_HALF)
+    c, s = cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HEAD_DIM, PAD_D)
     _rotate_heads(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh,
-                  stride_qoh, num_heads, c, s, HALF, PAD_H, PAD_HALF)  # fmt: skip
+                  stride_qoh, num_heads, c, s, HEAD_DIM, PAD_H, PAD_D)  # fmt: skip
     _rotate_heads(k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh,
-                  stride_koh, num_kv_heads, c, s, HALF, PAD_HKV, PAD_HALF)  # fmt: skip
+                  stride_koh, num_kv_heads, c, s, HEAD_DIM, PAD_HKV, PAD_D)  # fmt: skip
 
 
 @triton.jit
@@ -69,24 +75,23 @@ def _rotary_kv_write_kernel(
     pos_ptr, cos_ptr, sin_ptr, qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_cos, stride_qkv, stride_qot, stride_qoh, stride_cb, stride_cs, stride_ch,
     num_heads, num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
-    PAD_HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_HKV: tl.constexpr, PAD_D: tl.constexpr,
-    PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAD_H: tl.constexpr, PAD_HKV: tl.constexpr, PAD_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
     token = tl.program_id(0)
     dtype = q_out_ptr.dtype.element_ty
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HALF, PAD_HALF)
+    c, s = cos_sin(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, dtype, HEAD_DIM, PAD_D)
     row = qkv_ptr + token * stride_qkv
     _rotate_heads(row, q_out_ptr + token * stride_qot, HEAD_DIM, stride_qoh, num_heads, c, s,
-                  HALF, PAD_H, PAD_HALF)  # fmt: skip
+                  HEAD_DIM, PAD_H, PAD_D)  # fmt: skip
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         k_src = row + num_heads * HEAD_DIM
         _rotate_heads(k_src, k_cache_ptr + at, HEAD_DIM, stride_ch, num_kv_heads, c, s,
-                      HALF, PAD_HKV, PAD_HALF)  # fmt: skip
+                      HEAD_DIM, PAD_HKV, PAD_D)  # fmt: skip
         h = tl.arange(0, PAD_HKV)[:, None]
         d = tl.arange(0, PAD_D)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
@@ -104,14 +109,13 @@ def rotary_embedding(
         return q_out, k_out
     assert q.stride(2) == 1 and k.stride(2) == 1
     assert cos.stride(1) == 1 and sin.stride() == cos.stride() and positions.is_contiguous()
-    half = head_dim // 2
     _rotary_kernel[(tokens,)](
         positions, cos, sin, q, k, q_out, k_out,
         cos.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         num_heads, k.shape[1],
-        HALF=half,
-        PAD_HALF=triton.next_power_of_2(half),
+        HEAD_DIM=head_dim,
+        PAD_D=triton.next_power_of_2(head_dim),
         PAD_H=triton.next_power_of_2(num_heads),
         PAD_HKV=triton.next_power_of_2(k.shape[1]),
     )  # fmt: skip
@@ -139,14 +143,12 @@ def rotary_kv_write(
     q_out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q_out
-    half = head_dim // 2
     _rotary_kv_write_kernel[(tokens,)](
         positions, cos, sin, qkv, q_out, k_cache, v_cache, slot_mapping,
         cos.stride(0), qkv.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HALF=half,
-        PAD_HALF=triton.next_power_of_2(half), PAD_H=triton.next_power_of_2(num_heads),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAD_H=triton.next_power_of_2(num_heads),
         PAD_HKV=triton.next_power_of_2(num_kv_heads), PAD_D=triton.next_power_of_2(head_dim),
         **pdl.launch_kwargs(qkv),
     )  # fmt: skip

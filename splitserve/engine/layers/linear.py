@@ -27,14 +27,12 @@ the GEMV against cuBLAS's 15.9, Llama-3-8B's 1 GB 231.6 against 237.2). On an
 H200 with programmatic dependent launch (``kernels/pdl.py``), weights streamed from memory
 inside a CUDA graph (benchmarks/gpu_fastpath.py): Llama-3-8B q|k|v 13.2 us against cuBLAS's
 16.7, o 8.3 against 13.7, gate|up 53.6 against 55.7, down 27.2 against 31.5; SmolLM2 1.4-2.4
-against 3.6-5.2 us. Without PDL the 235 MB gate|up lost to cuBLAS (61 against 56 us)."""
+against 3.6-5.2 us. Without PDL the 235 MB gate|up lost to cuBLAS (61 against 56 us).
 
-NORM_FOLD_MAX_BYTES = 256 << 20
-"""The norm is folded into the GEMV for weights up to this size. Every program of the GEMV
-reads the whole row for the norm's sum of squares; with PDL that costs less than a norm
-launch even beside Llama-3-8B's 50 MB q|k|v (14.2 us folded against 14.9 with the norm
-kernel) and 235 MB gate|up (54.7 against 55.5); without PDL it did not (21.6 against 20.2 for
-q|k|v)."""
+The norm is folded into every one of these GEMVs ("fused" path). Each program then reads the
+whole row for the norm's sum of squares; with PDL that costs less than a norm launch even
+beside Llama-3-8B's 50 MB q|k|v (14.2 us folded against 14.9 with the norm kernel) and 235 MB
+gate|up (54.7 against 55.5); without PDL it did not (21.6 against 20.2 for q|k|v)."""
 
 
 def _weight_bytes(layer: nn.Linear) -> int:
@@ -81,7 +79,7 @@ def norm_linear(
 
     gated: layer is a gate|up projection and the output is silu(gate) * up."""
     one_row = _one_row(x, layer)
-    if one_row and decode_path() == "fused" and _weight_bytes(layer) <= NORM_FOLD_MAX_BYTES:
+    if one_row and decode_path() == "fused":
         out, summed = _gemv(
             x,
             layer,
