@@ -12,8 +12,8 @@ import importlib
 import sys
 
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("splitserve.services.launch", "start the OpenAI-compatible service"),
-    "scale": ("splitserve.services.scale", "resize a running deployment's pools live"),
+    "serve": ("splitserve.services.launch.deployment", "start the OpenAI-compatible service"),
+    "scale": ("splitserve.services.launch.scale_cli", "resize a running deployment's pools live"),
     "make-tiny-model": (
         "splitserve.tiny_vlm",
         "write a tiny random vision-language model (no download)",

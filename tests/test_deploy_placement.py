@@ -11,7 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from splitserve.config import load_config
-from splitserve.services.launch import Deployment
+from splitserve.services.launch.deployment import Deployment
 
 pytestmark = pytest.mark.slow
 NODE_MEMORY = 80 << 20

@@ -22,7 +22,7 @@ from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
-from splitserve.services.prefill_worker import PrefillWorker
+from splitserve.services.workers.prefill import PrefillWorker
 from tests.server_process import free_port
 from tests.tiny_models import tiny_model
 

@@ -7,7 +7,7 @@ import torch
 
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 from splitserve.router.prefix_lookup import best_peer
-from splitserve.services.peer_blocks import StagedBlocks
+from splitserve.services.workers.peer_blocks import StagedBlocks
 
 
 def test_the_peer_with_the_longest_prefix_beyond_what_the_chosen_worker_has_is_named() -> None:

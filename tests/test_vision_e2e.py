@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from splitserve.engine.image_inputs import decode_image
+from splitserve.engine.vision.image_inputs import decode_image
 from tests.server_process import ServerProcess, serve, worker_metric
 from tests.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
 

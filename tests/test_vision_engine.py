@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.image_inputs import decode_image
-from splitserve.engine.vision_encoder import VisionEncoder
+from splitserve.engine.vision.encoder import VisionEncoder
+from splitserve.engine.vision.image_inputs import decode_image
 from splitserve.kvstore.hashing import ImageSpan, block_hashes
 from tests.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
 
@@ -117,10 +117,10 @@ def test_decode_engine_recomputes_an_adopted_image_prompt_after_preemption(
 ) -> None:
     """The handoff carries the image embeddings with the KV, so a decode engine that must
     recompute the prompt (preempted, no prefix cache) still continues it exactly."""
-    from splitserve.engine.chat_images import split_images
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.llm_engine import LLMEngine
-    from splitserve.engine.multimodal import ImageInput
+    from splitserve.engine.vision.chat_images import split_images
+    from splitserve.engine.vision.multimodal import ImageInput
 
     llm = LLM(model=vlm_path, block_size=8)
     messages = image_chat(data_url(encoded(picture(6))))

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from splitserve.config import ImagesConfig
-from splitserve.engine.image_inputs import ImageError
 from splitserve.engine.request import SamplingParams
+from splitserve.engine.vision.image_inputs import ImageError
 from splitserve.kvstore.hashing import ImageSpan
 from splitserve.router.policy import Candidate
 from splitserve.router.vision import VisionRouter
 from splitserve.services import messages as msg
 from splitserve.services.api.images import fetch
-from splitserve.services.encoder_cache import EncoderCache
-from splitserve.services.vision_worker import VisionWorker
+from splitserve.services.workers.encoder_cache import EncoderCache
+from splitserve.services.workers.vision import VisionWorker
 from tests.vision import encoded, picture
 
 

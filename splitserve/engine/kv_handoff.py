@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import SampleResult
+from splitserve.engine.vision.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine

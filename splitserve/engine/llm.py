@@ -8,15 +8,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from splitserve.engine.chat_images import split_images
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.image_inputs import image_hash
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import resolve_model
-from splitserve.engine.multimodal import ImageInput, expand_image_tokens
 from splitserve.engine.request import RequestOutput, SamplingParams
-from splitserve.engine.vision_config import load_vision_config
-from splitserve.engine.vision_encoder import VisionEncoder
+from splitserve.engine.vision.chat_images import split_images
+from splitserve.engine.vision.config import load_vision_config
+from splitserve.engine.vision.encoder import VisionEncoder
+from splitserve.engine.vision.image_inputs import image_hash
+from splitserve.engine.vision.multimodal import ImageInput, expand_image_tokens
 from splitserve.kvstore.hashing import ImageSpan
 
 Prompt = str | list[int]
@@ -68,7 +68,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate.
 
-        Messages may hold image content parts (engine/chat_images.py) for a vision-language
+        Messages may hold image content parts (engine/vision/chat_images.py) for a vision-language
         model: each image is encoded here and its embeddings fill its placeholder tokens."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         params = params or SamplingParams()

@@ -19,13 +19,13 @@ from splitserve.engine.loader import (
     resolve_model,
 )
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.multimodal import ImageInput, check_images
 from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batch
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput, SamplingParams
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
-from splitserve.engine.vision_config import load_vision_config
+from splitserve.engine.vision.config import load_vision_config
+from splitserve.engine.vision.multimodal import ImageInput, check_images
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from splitserve.engine.model_config import SHAPES, ModelConfig
-from splitserve.engine.vision_config import VISION_MODEL_TYPES
+from splitserve.engine.vision.config import VISION_MODEL_TYPES
 
 SHAPE_PREFIX = "shape:"
 

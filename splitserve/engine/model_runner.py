@@ -11,10 +11,10 @@ from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
-from splitserve.engine.multimodal import step_embeddings, touches_images
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.multimodal import ImageInput
+from splitserve.engine.vision.multimodal import ImageInput
 
 
 @dataclass

@@ -52,8 +52,8 @@ class RequestInfo:
 
     peers: Mapping[str, int] = field(default_factory=dict)
     """Live prefill worker -> leading prompt blocks it can send to another worker that pulls
-    them (services/peer_blocks.py): its own tiers' and its node's disk tier's. Empty when the
-    request cannot be pulled (image prompts) or there is no index answer."""
+    them (services/workers/peer_blocks.py): its own tiers' and its node's disk tier's. Empty
+    when the request cannot be pulled (image prompts) or there is no index answer."""
 
     def pullable_tokens(self, worker: Candidate) -> int:
         """Prompt tokens beyond ``worker``'s own cached prefix that it would pull from the

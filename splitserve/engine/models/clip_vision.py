@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.vision_config import VisionConfig
+from splitserve.engine.vision.config import VisionConfig
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         """Flat token ids [T] -> final hidden states [T, hidden].
 
         image_embeds: (rows, embeddings) that replace those rows' token embeddings (the
-        image placeholders computed in this step, engine/multimodal.py)."""
+        image placeholders computed in this step, engine/vision/multimodal.py)."""
         x, residual = self.embed_tokens(input_ids), None
         if image_embeds is not None:
             rows, values = image_embeds

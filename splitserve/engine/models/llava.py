@@ -17,7 +17,7 @@ from torch import nn
 
 from splitserve.engine.loader import vlm_part
 from splitserve.engine.models.clip_vision import CLIPVisionTower
-from splitserve.engine.vision_config import VisionConfig
+from splitserve.engine.vision.config import VisionConfig
 
 _MODULES = {"vision": "vision_tower", "projector": "multi_modal_projector"}
 

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict
 
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import APIError
-from splitserve.services.launch import WorkerStartError
-from splitserve.services.scaling import ScaleError, Scaler
+from splitserve.services.launch.deployment import WorkerStartError
+from splitserve.services.launch.scaling import ScaleError, Scaler
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 

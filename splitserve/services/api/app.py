@@ -12,8 +12,8 @@ from splitserve.services.api import admin, chat, completions
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
 from splitserve.services.api.serving import ServerState, get_state
+from splitserve.services.launch.scaling import Scaler
 from splitserve.services.metrics import CONTENT_TYPE
-from splitserve.services.scaling import Scaler
 
 _CREATED = int(time.time())
 

@@ -294,7 +294,8 @@ class WorkerClient:
 
     def _peer(self, info: RequestInfo, prefills: list[int], chosen: int) -> msg.PeerPrefix | None:
         """A live prefill worker holding more of the prompt than the chosen one and its
-        node's store: the chosen one pulls the difference from it (services/peer_blocks.py)."""
+        node's store: the chosen one pulls the difference from it
+        (services/workers/peer_blocks.py)."""
         if not info.cached_blocks:
             return None
         cached = info.cached_blocks

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from splitserve.config import ImagesConfig
-from splitserve.engine.image_inputs import (
+from splitserve.engine.vision.image_inputs import (
     ImageError,
     check_size,
     decode_image,

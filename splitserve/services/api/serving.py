@@ -13,7 +13,7 @@ from fastapi import Request
 
 from splitserve.config import DeployConfig
 from splitserve.engine.request import SamplingParams
-from splitserve.engine.vision_config import VisionConfig
+from splitserve.engine.vision.config import VisionConfig
 from splitserve.services.api.client import (
     EngineRequestError,
     QueueFullError,

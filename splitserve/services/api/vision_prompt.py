@@ -3,7 +3,7 @@ token into the encoder's placeholder tokens with its content hash (as ``LLM.chat
 
 from __future__ import annotations
 
-from splitserve.engine.multimodal import expand_image_tokens
+from splitserve.engine.vision.multimodal import expand_image_tokens
 from splitserve.kvstore.hashing import ImageSpan
 from splitserve.services.api import serving as sv
 from splitserve.services.api.errors import APIError

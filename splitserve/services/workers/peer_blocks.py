@@ -38,7 +38,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.store import BlockStore
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
-from splitserve.services.embedding_inbox import EmbeddingInbox
+from splitserve.services.workers.channels import EmbeddingInbox
 
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine

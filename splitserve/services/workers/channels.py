@@ -1,5 +1,5 @@
 """A prefill worker's receiving end for image embeddings from vision workers (and, with
-``ndim=6``, for prefix blocks from peer prefill workers: services/peer_blocks.py).
+``ndim=6``, for prefix blocks from peer prefill workers: services/workers/peer_blocks.py).
 
 An EmbeddingsHeader (PeerBlocks) arrives on the worker's embeddings socket (read by the loop
 thread); the tensor follows on the KV transport from that sender. One receiver thread per vision

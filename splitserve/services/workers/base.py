@@ -1,7 +1,7 @@
 """Workers: one engine each, driven by messages from the API server.
 
 ``EngineWorker`` is a plain class so that it can be tested without Ray; the launcher turns it
-(or ``PrefillWorker`` / ``DecodeWorker``, services/prefill_worker.py and decode_worker.py)
+(or ``PrefillWorker`` / ``DecodeWorker``, services/workers/prefill.py and decode_worker.py)
 into a Ray actor. Its loop runs in a thread of the actor process: drain the input sockets,
 do one round of work (an engine step), push the token deltas back, and report stats a few
 times a second. Only the loop thread touches the engine, which is not thread-safe.
@@ -24,7 +24,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import Logprob, RequestOutput
 from splitserve.kvstore.transfer import KVTransport, StoreAddress
 from splitserve.services import messages as msg
-from splitserve.services.worker_cache import WorkerCache
+from splitserve.services.workers.worker_cache import WorkerCache
 
 STATS_INTERVAL_S = 0.2
 IDLE_POLL_MS = 50
@@ -278,7 +278,7 @@ def open_transport(
     worker_id: str, store: list[Any] | None, device: str, transfer: dict[str, Any]
 ) -> KVTransport:
     """A worker's KV transport, from the rendezvous store address and the transfer config
-    its actor was given (services/launch.py)."""
+    its actor was given (services/launch/deployment.py)."""
     assert store is not None, f"worker {worker_id} needs the rendezvous store"
     return KVTransport(
         worker_id,
@@ -294,15 +294,15 @@ def worker_class(role: str) -> type[EngineWorker]:
     if role == "both":
         return EngineWorker
     if role == "prefill":
-        from splitserve.services.prefill_worker import PrefillWorker
+        from splitserve.services.workers.prefill import PrefillWorker
 
         return PrefillWorker
     if role == "decode":
-        from splitserve.services.decode_worker import DecodeWorker
+        from splitserve.services.workers.decode import DecodeWorker
 
         return DecodeWorker
     if role == "vision":
-        from splitserve.services.vision_worker import VisionWorker
+        from splitserve.services.workers.vision import VisionWorker
 
         return VisionWorker  # type: ignore[return-value]
     raise ValueError(f"worker role {role!r} is not supported")

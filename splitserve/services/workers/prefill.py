@@ -11,7 +11,7 @@ A prompt with images starts once both its Prefill message and its image embeddin
 vision worker, through the EmbeddingInbox on this worker's embeddings socket) are here. A
 Prefill that names a peer starts once that peer's blocks are here or missed; this worker also
 serves other prefill workers' FetchBlocks through the same sender threads
-(services/peer_blocks.py).
+(services/workers/peer_blocks.py).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import torch
 import zmq
 
 from splitserve.engine.kv_handoff import Prefilled
-from splitserve.engine.multimodal import ImageInput
+from splitserve.engine.vision.multimodal import ImageInput
 from splitserve.kvstore.transfer import TransferError
 from splitserve.services import messages as msg
-from splitserve.services.embedding_inbox import EmbeddingInbox
-from splitserve.services.image_waits import ImageWaits, split_embeddings
-from splitserve.services.peer_blocks import PeerFetches, gather_prefix, peer_header
-from splitserve.services.workers import EngineWorker, open_transport, wire_position
+from splitserve.services.workers.base import EngineWorker, open_transport, wire_position
+from splitserve.services.workers.channels import EmbeddingInbox
+from splitserve.services.workers.image_waits import ImageWaits, split_embeddings
+from splitserve.services.workers.peer_blocks import PeerFetches, gather_prefix, peer_header
 
 QUEUE_POLL_S = 0.1
 PENDING_POLL_MS = 2

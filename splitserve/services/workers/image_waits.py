@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from splitserve.engine.multimodal import ImageInput
+from splitserve.engine.vision.multimodal import ImageInput
 from splitserve.kvstore.hashing import ImageSpan
 from splitserve.services import messages as msg
 

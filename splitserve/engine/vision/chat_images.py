@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.engine.image_inputs import ImageError, decode_image, parse_data_url
+from splitserve.engine.vision.image_inputs import ImageError, decode_image, parse_data_url
 
 
 def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:

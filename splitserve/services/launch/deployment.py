@@ -183,7 +183,7 @@ class Deployment:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from splitserve.services.workers import worker_class
+        from splitserve.services.workers.base import worker_class
 
         pool = self.config.pools[name]
         index = self._next_index.get(name, 0)
@@ -289,7 +289,7 @@ async def _serve(deployment: Deployment) -> None:
     import uvicorn
 
     from splitserve.engine.loader import resolve_model
-    from splitserve.engine.vision_config import load_vision_config
+    from splitserve.engine.vision.config import load_vision_config
     from splitserve.kvstore.index import make_index
     from splitserve.router.prefix_lookup import PrefixLookup
     from splitserve.router.router import Router
@@ -297,8 +297,8 @@ async def _serve(deployment: Deployment) -> None:
     from splitserve.services.api.client import WorkerClient
     from splitserve.services.api.serving import ServerState
     from splitserve.services.api.worker_view import WorkerEndpoint
+    from splitserve.services.launch.scaling import Scaler
     from splitserve.services.metrics import Metrics
-    from splitserve.services.scaling import Scaler
 
     config = deployment.config
     _log_requests_to_stdout()

@@ -25,11 +25,16 @@ import torch
 import zmq
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.image_inputs import DEFAULT_MAX_PIXELS, ImageError, decode_image
+from splitserve.engine.vision.image_inputs import DEFAULT_MAX_PIXELS, ImageError, decode_image
 from splitserve.kvstore.transfer import TransferError
 from splitserve.services import messages as msg
-from splitserve.services.encoder_cache import EncoderCache
-from splitserve.services.workers import IDLE_POLL_MS, STATS_INTERVAL_S, WorkerInfo, open_transport
+from splitserve.services.workers.base import (
+    IDLE_POLL_MS,
+    STATS_INTERVAL_S,
+    WorkerInfo,
+    open_transport,
+)
+from splitserve.services.workers.encoder_cache import EncoderCache
 
 QUEUE_POLL_S = 0.1
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -47,7 +52,7 @@ class _Encoded:
 
 
 class VisionWorker:
-    """Constructor arguments as for EngineWorker (plain values; services/launch.py);
+    """Constructor arguments as for EngineWorker (plain values; services/launch/deployment.py);
     ``kv["images"]`` holds the deployment's ImagesConfig as a dict."""
 
     role = "vision"
@@ -86,7 +91,7 @@ class VisionWorker:
         """Load the encoder, bind the sockets, start the loop; returns WorkerInfo as a dict."""
         from splitserve.engine.loader import resolve_model
         from splitserve.engine.model_runner import resolve_dtype
-        from splitserve.engine.vision_encoder import VisionEncoder
+        from splitserve.engine.vision.encoder import VisionEncoder
 
         if self.threads > 0:
             torch.set_num_threads(self.threads)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from splitserve.engine.multimodal import ImageInput
 from splitserve.engine.request import RequestOutput
+from splitserve.engine.vision.multimodal import ImageInput
 from splitserve.kvstore.transfer import TransferError
 from splitserve.services import messages as msg
-from splitserve.services.workers import EngineWorker, engine_position, open_transport
+from splitserve.services.workers.base import EngineWorker, engine_position, open_transport
 
 QUEUE_POLL_S = 0.1
 PENDING_POLL_MS = 2

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from splitserve.engine.image_processor import load_image_processor
 from splitserve.engine.loader import iter_weights, load_model_config
 from splitserve.engine.models.llava import LlavaVisionEncoder
-from splitserve.engine.vision_config import VisionConfig, load_vision_config
+from splitserve.engine.vision.config import VisionConfig, load_vision_config
+from splitserve.engine.vision.image_processor import load_image_processor
 
 
 class VisionEncoder:

@@ -26,7 +26,7 @@ from splitserve.kvstore.index import Prefixes, PrefixIndex, make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig, RetentionPolicy
 from splitserve.services.messages import IndexUpdate
-from splitserve.services.peer_blocks import StagedBlocks
+from splitserve.services.workers.peer_blocks import StagedBlocks
 
 EXPIRE_INTERVAL_S = 1.0
 

@@ -1,7 +1,7 @@
 """Live scaling of the worker pools: new replicas join, removed ones drain first.
 
 The API server process owns the Ray driver and the router, so it is the one that scales:
-``Scaler.scale`` starts new actors (placement as at start, services/launch.py) and adds
+``Scaler.scale`` starts new actors (placement as at start, services/launch/deployment.py) and adds
 them to the router once placed, and removes the newest replicas of a shrinking pool by
 draining them (no new requests; the ones they hold finish) before their actors are killed.
 No request in flight fails because of a scale.
