@@ -252,6 +252,15 @@ class IndexUpdate:
     rebuild: bool = False
 
 
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Worker -> API server: the worker's loop stopped on an unexpected error. Every request
+    it holds has failed; the API server stops routing to it and fails what waits on it."""
+
+    worker_id: str
+    reason: str
+
+
 Message = (
     GenerateRequest
     | Reserve
@@ -266,6 +275,7 @@ Message = (
     | OutputBatch
     | WorkerStats
     | IndexUpdate
+    | WorkerFailed
 )
 _TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -283,6 +293,7 @@ _TYPES: dict[str, type] = {
         OutputBatch,
         WorkerStats,
         IndexUpdate,
+        WorkerFailed,
     )
 }
 
