@@ -12,7 +12,7 @@ import importlib
 import sys
 
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("splitserve.services.launch.deployment", "start the OpenAI-compatible service"),
+    "serve": ("splitserve.services.launch.serve", "start the OpenAI-compatible service"),
     "scale": ("splitserve.services.launch.scale_cli", "resize a running deployment's pools live"),
     "make-tiny-model": (
         "splitserve.tiny_vlm",

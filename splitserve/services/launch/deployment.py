@@ -1,83 +1,25 @@
-"""`splitserve serve`: read the config, start Ray and the workers, serve HTTP until stopped.
-
-The process layout: this process runs the API server (uvicorn, tokenizer, chat templates);
-every worker replica is a Ray actor in its own process with one engine. Requests and tokens
-move over ZMQ as msgpack messages (services/messages.py). SIGINT or SIGTERM stops uvicorn,
-the workers and, when this process started it, Ray.
-"""
+"""Deployment: Ray (started privately or joined) and one placement group and actor per worker
+replica, placed as the config's pools ask (docs/deployment.md)."""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import dataclasses
 import logging
+import math
 import os
 import signal
-import sys
-import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.config import ConfigError, DeployConfig, load_config
+from splitserve.config import DeployConfig, PoolConfig
 
-READY_TIMEOUT_S = 60.0
 OBJECT_STORE_BYTES = 128 << 20
 PLACEMENT_TIMEOUT_S = 60.0
 MIN_BUNDLE_CPU = 0.01
 NODE_HOST = "node"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="deployment YAML (default: local.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field by its dotted path, e.g. server.port=9000",
-    )
-    parser.add_argument("--host", default=None, help="shorthand for --set server.host=HOST")
-    parser.add_argument("--port", type=int, default=None, help="shorthand for server.port")
-    parser.add_argument(
-        "--address",
-        default=None,
-        help='join this Ray cluster ("auto": the one running on this node) instead of '
-        "starting a private one; shorthand for --set ray.address=ADDRESS",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.host is not None:
-        overrides.append(f"server.host={args.host}")
-    if args.port is not None:
-        overrides.append(f"server.port={args.port}")
-    if args.address is not None:
-        overrides.append(f"ray.address={args.address}")
-    try:
-        config = load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"splitserve: config error: {exc}", file=sys.stderr)
-        return 2
-    deployment = Deployment(config)
-    previous = _interrupt_on_signals()
-    try:
-        deployment.start()
-        asyncio.run(_serve(deployment))
-    except KeyboardInterrupt:
-        pass
-    except WorkerStartError as exc:
-        print(f"splitserve: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        deployment.stop()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    return 0
 
 
 class WorkerStartError(RuntimeError):
@@ -119,33 +61,26 @@ class Deployment:
             self.tokenizer = tokenizer.result()
 
     def start_ray(self) -> None:
-        """Start or join Ray. ray.init installs SIGTERM handlers of its own (a Python one that
-        exits and a native one that aborts), so ours are put back right after it."""
+        """Start or join Ray. ray.init installs SIGINT/SIGTERM handlers of its own (a Python one
+        that exits and a native one that aborts); the caller's are put back right after it."""
         import ray
 
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         if self.config.ray.address is not None:
             ray.init(address=self.config.ray.address, logging_level=logging.WARNING)
-            _interrupt_on_signals()
-            return
-        needed = sum(p.num_cpus * p.replicas for p in self.config.pools.values())
-        num_cpus = self.config.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
-        ray.init(
-            num_cpus=num_cpus,
-            resources=self._pool_resources(),
-            include_dashboard=False,
-            object_store_memory=OBJECT_STORE_BYTES,
-            logging_level=logging.WARNING,
-        )
-        self._owns_ray = True
-        _interrupt_on_signals()
-
-    def _pool_resources(self) -> dict[str, float]:
-        """A private local Ray offers the pools' node labels itself, so one machine fits all."""
-        total: dict[str, float] = {}
-        for pool in self.config.pools.values():
-            for key, value in pool.resources.items():
-                total[key] = total.get(key, 0.0) + value * pool.replicas
-        return total
+        else:
+            needed = math.ceil(sum(p.num_cpus * p.replicas for p in self.config.pools.values()))
+            ray.init(
+                num_cpus=self.config.ray.num_cpus or max(os.cpu_count() or 1, needed),
+                resources=local_label_totals(self.config.pools),
+                include_dashboard=False,
+                object_store_memory=OBJECT_STORE_BYTES,
+                logging_level=logging.WARNING,
+            )
+            self._owns_ray = True
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
     def start_workers(self) -> None:
         """Every pool's configured replicas (after start_ray)."""
@@ -251,6 +186,21 @@ class Deployment:
         self._store = None
 
 
+def local_label_totals(pools: Mapping[str, PoolConfig]) -> dict[str, float]:
+    """The node labels a private local Ray offers, so that one machine holds every pool.
+
+    ray.init takes only whole quantities, while a pool may ask a fraction of a label per
+    replica (`prefill_node: 0.001`: on a cluster, any number of its replicas fit on a node
+    labelled with one unit). Each label's total is its replicas' whole demand rounded up to a
+    whole number (to Ray's 0.0001 granularity first, so float error adds no unit).
+    """
+    demand: dict[str, float] = {}
+    for pool in pools.values():
+        for label, amount in pool.resources.items():
+            demand[label] = demand.get(label, 0.0) + amount * pool.replicas
+    return {label: float(math.ceil(round(total, 4))) for label, total in demand.items()}
+
+
 def _worker_engine_config(config: DeployConfig, pool: str) -> Any:
     """The pool's EngineConfig; a model path relative to this directory becomes absolute,
     since workers may start in another one (the API keeps the configured name)."""
@@ -283,102 +233,3 @@ def _load_tokenizer(model: str) -> Any:
     from splitserve.engine.loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(model))
-
-
-async def _serve(deployment: Deployment) -> None:
-    import uvicorn
-
-    from splitserve.engine.loader import resolve_model
-    from splitserve.engine.vision.config import load_vision_config
-    from splitserve.kvstore.index import make_index
-    from splitserve.router.prefix_lookup import PrefixLookup
-    from splitserve.router.router import Router
-    from splitserve.services.api.app import build_app
-    from splitserve.services.api.client import WorkerClient
-    from splitserve.services.api.serving import ServerState
-    from splitserve.services.api.worker_view import WorkerEndpoint
-    from splitserve.services.launch.scaling import Scaler
-    from splitserve.services.metrics import Metrics
-
-    config = deployment.config
-    _log_requests_to_stdout()
-    metrics = Metrics(config.model)
-    endpoints = [
-        WorkerEndpoint(w["worker_id"], w["request_addr"], w["output_addr"], w["role"], w["kv_addr"])
-        for w in deployment.workers
-    ]
-    decode_pool = next(n for n, p in config.pools.items() if p.role in ("decode", "both"))
-    block_size = config.pools[decode_pool].engine.block_size
-    index = make_index(config.prefix_index.url, config.prefix_index.ttl_s)
-    client = WorkerClient(
-        endpoints,
-        config.server.max_queue,
-        metrics,
-        router=Router(config.router.policy, config.router.policy),
-        block_size=block_size,
-        heartbeat_timeout_s=config.server.heartbeat_timeout_s,
-        prefix=PrefixLookup(index, block_size),
-    )
-    client.start()
-    state = ServerState(
-        config,
-        deployment.tokenizer,
-        client,
-        metrics,
-        deployment.max_model_len,
-        load_vision_config(resolve_model(config.model)),
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(state, Scaler(deployment, client)),
-            host=config.server.host,
-            port=config.server.port,
-            log_level=config.server.log_level,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-        )
-    )
-    serving = asyncio.create_task(server.serve())
-    try:
-        await _announce_when_ready(server, client, serving, config)
-        await serving
-    finally:
-        await client.close()
-
-
-async def _announce_when_ready(
-    server: Any, client: Any, serving: asyncio.Task[None], config: DeployConfig
-) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not (server.started and client.ready):
-        if serving.done():
-            return
-        if time.monotonic() > deadline:
-            raise WorkerStartError("workers did not report in time")
-        await asyncio.sleep(0.05)
-    url = f"http://{config.server.host}:{config.server.port}"
-    print(f"splitserve ready: {url} (model {config.model})", flush=True)
-
-
-def _log_requests_to_stdout() -> None:
-    """The structured request log (one JSON line per finished request) goes to stdout."""
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("splitserve request %(message)s"))
-    logger = logging.getLogger("splitserve.requests")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-def _interrupt_on_signals() -> dict[int, Any]:
-    """Make SIGINT and SIGTERM raise KeyboardInterrupt, so one cleanup path handles both.
-
-    uvicorn replaces these handlers while it serves and re-raises the signal after it has
-    shut down, which lands here. Returns the handlers that were installed before.
-    """
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    return {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
