@@ -20,7 +20,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import NumericTokenizer
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-3
 

@@ -186,7 +186,7 @@ def _same_random_weights(engine: Any, device: torch.device) -> None:
 
 
 def _params() -> Any:
-    from splitserve.engine.request import SamplingParams
+    from splitserve.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
 

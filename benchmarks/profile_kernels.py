@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 
 def profile_shape(shape: str, batch: int, context: int, steps: int) -> dict[str, object]:

@@ -12,7 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "splitserve.engine.llm",
     "LLMEngine": "splitserve.engine.llm_engine",
-    "SamplingParams": "splitserve.engine.request",
+    "SamplingParams": "splitserve.engine.sampling_params",
     "RequestOutput": "splitserve.engine.request",
 }
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 16

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import RequestOutput, SamplingParams
+from splitserve.engine.request import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
 from tests.server_process import ServerProcess, metric, serve
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.request import Request, SamplingParams
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.kvstore.hashing import block_hashes, hash_block
 

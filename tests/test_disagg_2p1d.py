@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from tests.disagg import MODEL, PROMPTS, completions, reference
 from tests.prefix_counters import chosen, counters, delta, prompt_ids, reused, system_prompt
 from tests.server_process import ServerProcess, serve, worker_metric

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from tests.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
 from tests.server_process import ServerProcess, serve, worker_metric
 

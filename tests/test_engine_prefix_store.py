@@ -10,7 +10,7 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from splitserve.engine.llm import LLM
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
 from tests.prefix_counters import (
     WORKERS,

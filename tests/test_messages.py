@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import msgpack
 import pytest
 
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.services import messages as msg
 
 
@@ -93,3 +95,17 @@ def test_invalid_sampling_params_are_refused_on_decode() -> None:
 def test_only_message_types_can_be_encoded() -> None:
     with pytest.raises(TypeError):
         msg.encode(SamplingParams())  # type: ignore[arg-type]
+
+
+def test_messages_protocol_and_sampling_params_import_without_torch() -> None:
+    code = (
+        "import sys\n"
+        "import splitserve.services.messages, splitserve.services.api.protocol\n"
+        "from splitserve import SamplingParams\n"
+        "assert SamplingParams(seed=1).seed == 1\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout == "[]\n"

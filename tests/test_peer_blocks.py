@@ -18,7 +18,7 @@ import zmq
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.request import Request, SamplingParams
+from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, apply_penalties, filter_top_k_top_p_min_p
+from splitserve.engine.sampling_params import SamplingParams
 
 NEG = float("-inf")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitserve.config import ImagesConfig
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.image_inputs import ImageError
 from splitserve.kvstore.hashing import ImageSpan
 from splitserve.router.policy import Candidate

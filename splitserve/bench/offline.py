@@ -145,7 +145,7 @@ def engine_throughput(
 ) -> dict[str, float]:
     """Times the prefill phase (until every request has its first token) and the decode phase."""
     from splitserve.bench.roofline import decode_step_bytes, prefill_flops
-    from splitserve.engine.request import SamplingParams
+    from splitserve.engine.sampling_params import SamplingParams
 
     engine = llm.engine
     warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
+from splitserve.engine.request import Logprob, Request, RequestOutput
 from splitserve.engine.sampler import SampleResult
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.multimodal import ImageInput
 
 if TYPE_CHECKING:

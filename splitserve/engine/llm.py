@@ -11,7 +11,8 @@ from tqdm import tqdm
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import resolve_model
-from splitserve.engine.request import RequestOutput, SamplingParams
+from splitserve.engine.request import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.chat_images import split_images
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.encoder import VisionEncoder

@@ -21,8 +21,9 @@ from splitserve.engine.loader import (
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batch
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
-from splitserve.engine.request import Request, RequestOutput, SamplingParams
+from splitserve.engine.request import Request, RequestOutput
 from splitserve.engine.sampler import Sampler, SampleResult
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import ImageSpan
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import zmq
 import zmq.asyncio
 
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.policy import RequestInfo
 from splitserve.router.prefix_lookup import PrefixLookup, best_peer
 from splitserve.router.router import Router

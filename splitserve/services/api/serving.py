@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from splitserve.config import DeployConfig
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.config import VisionConfig
 from splitserve.services.api.client import (
     EngineRequestError,

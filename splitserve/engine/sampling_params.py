@@ -1,0 +1,65 @@
+"""Per-request sampling parameters: how to pick tokens and when to stop.
+
+No torch import here: the API server and the message codec build and parse these without
+loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, per request (the fields vLLM users know).
+
+    top_k <= 0 disables top-k; max_tokens=None means "until the context is full";
+    logprobs=N returns the sampled token's logprob plus the top N (0 = sampled token only).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.n >= 1, "n must be at least 1")
+        _check(0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty must be positive")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1")
+        _check(self.min_tokens >= 0, "min_tokens must be non-negative")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
+        )
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
