@@ -24,6 +24,8 @@ ROLES = ("both", "prefill", "decode", "vision")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
 ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 DAY_S = 24 * 3600.0
+# A pool's engine runs the deployment's model on the pool's device: its YAML cannot set them.
+ENGINE_SET_ELSEWHERE = {"model": "the deployment's `model`", "device": "the pool's `device`"}
 
 
 class ConfigError(ValueError):
@@ -54,25 +56,13 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """The per-pool engine knobs; model and device come from the deployment and the pool."""
-
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
-    seed: int = 0
-
-
-@dataclass(frozen=True)
 class PoolConfig:
-    """A set of identical workers. role: which stages of a request its workers run."""
+    """A set of identical workers. role: which stages of a request its workers run.
+
+    engine: every EngineConfig field but model and device, which DeployConfig fills in from
+    the deployment's model and this pool's device (so ``engine`` is the complete config a
+    replica's engine starts from).
+    """
 
     role: str = "both"
     replicas: int = 1
@@ -81,7 +71,9 @@ class PoolConfig:
     num_cpus: float = 1.0
     num_threads: int = 0
     resources: Mapping[str, float] = field(default_factory=dict)
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    engine: EngineConfig = field(
+        default_factory=EngineConfig, metadata={"set_elsewhere": ENGINE_SET_ELSEWHERE}
+    )
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
@@ -236,11 +228,15 @@ class DeployConfig:
         _require(bool(self.model), "model must not be empty")
         _require(len(self.pools) >= 1, "pools must define at least one pool")
         _check_roles([p.role for p in self.pools.values()])
-        for name in self.pools:
-            try:
-                self.engine_config(name)
-            except ValueError as exc:
-                raise ValueError(f"pools.{name}.engine: {exc}") from exc
+        # Frozen: the completed pools go in the way dataclasses' own __init__ sets fields.
+        object.__setattr__(
+            self, "pools", {name: self._complete(p) for name, p in self.pools.items()}
+        )
+
+    def _complete(self, pool: PoolConfig) -> PoolConfig:
+        """``pool`` with its engine's model and device set from the deployment and the pool."""
+        engine = dataclasses.replace(pool.engine, model=self.model, device=pool.device)
+        return dataclasses.replace(pool, engine=engine)
 
     @property
     def disaggregated(self) -> bool:
@@ -249,9 +245,7 @@ class DeployConfig:
 
     def engine_config(self, pool: str) -> EngineConfig:
         """The EngineConfig for one replica of ``pool``."""
-        spec = self.pools[pool]
-        settings = dataclasses.asdict(spec.engine)
-        return EngineConfig(model=self.model, device=spec.device, **settings)
+        return self.pools[pool].engine
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DeployConfig:
@@ -286,11 +280,21 @@ def build(cls: type, raw: Any, path: str) -> Any:
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"unknown key {_join(path, str(unknown[0]))} (known: {sorted(names)})")
+    _check_set_elsewhere(cls, raw, path)
     values = {name: _coerce(hints[name], value, _join(path, name)) for name, value in raw.items()}
     try:
         return cls(**values)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or 'config'}: {exc}") from exc
+
+
+def _check_set_elsewhere(cls: type, raw: Mapping[str, Any], path: str) -> None:
+    """A field's metadata "set_elsewhere" names keys of its mapping that the config fills in."""
+    for f in dataclasses.fields(cls):
+        value = raw.get(f.name)
+        for key, source in f.metadata.get("set_elsewhere", {}).items():
+            if isinstance(value, Mapping) and key in value:
+                raise ConfigError(f"{_join(path, f.name)}.{key} cannot be set: it is {source}")
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from splitserve.config import DEFAULT_CONFIG, ConfigError, load_config
+from splitserve.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,6 +68,45 @@ def test_dotted_overrides_parse_values_as_yaml() -> None:
     assert config.ray.address == "auto"
 
 
+def test_pool_engine_overrides_reach_the_engine_config_of_that_pool_only() -> None:
+    config = load_config(
+        None,
+        [
+            "pools.decode.engine.cuda_graph_max_batch=8",
+            "pools.decode.engine.overlap_scheduling=false",
+            "pools.prefill.engine.overlap_scheduling=null",
+        ],
+    )
+    decode, prefill = config.engine_config("decode"), config.engine_config("prefill")
+    assert (decode.cuda_graph_max_batch, decode.overlap_scheduling) == (8, False)
+    assert (prefill.cuda_graph_max_batch, prefill.overlap_scheduling) == (64, None)
+
+
+def test_a_pool_engine_takes_every_engine_config_field_but_model_and_device(
+    tmp_path: Path,
+) -> None:
+    settable = {
+        f.name: getattr(EngineConfig(), f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in ("model", "device")
+    }
+    assert {"cuda_graph_max_batch", "overlap_scheduling", "seed"} <= set(settable)
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"model": "m", "pools": {"w": {"engine": settable}}}))
+    config = load_config(path, ["pools.w.device=cuda"])
+    assert config.engine_config("w") == EngineConfig(model="m", device="cuda")
+    assert config.pools["w"].engine == config.engine_config("w")
+
+
+def test_each_pool_engine_runs_the_deployment_model_on_the_pool_device() -> None:
+    config = load_config(REPO / "configs" / "gpu-1p1d.yaml", ["model=shape:smollm2-135m"])
+    engines = {name: config.engine_config(name) for name in config.pools}
+    assert {n: (e.model, e.device, e.dtype) for n, e in engines.items()} == {
+        "prefill": ("shape:smollm2-135m", "cuda", "bfloat16"),
+        "decode": ("shape:smollm2-135m", "cuda", "bfloat16"),
+    }
+
+
 def test_override_can_add_a_pool_with_defaults() -> None:
     config = load_config(REPO / "configs" / "colocated.yaml", ["pools.extra.replicas=3"])
     assert config.pools["extra"].replicas == 3 and config.pools["extra"].role == "both"
@@ -93,6 +135,27 @@ def test_a_vision_pool_joins_prefill_and_decode_pools() -> None:
         ("pools.decode.resources={gpu_node: -1}", "resources must be non-negative"),
         ("pools.decode.replicas=0", "replicas must be at least 1"),
         ("pools.decode.engine.block_size=3", "pools.decode.engine: block_size"),
+        (
+            "pools.decode.engine.overlap_scheduling=maybe",
+            "pools.decode.engine.overlap_scheduling must be bool, got 'maybe'",
+        ),
+        (
+            "pools.decode.engine.cuda_graph_max_batch=1.5",
+            "pools.decode.engine.cuda_graph_max_batch must be int, got 1.5",
+        ),
+        (
+            "pools.decode.engine.num_kv_blocks=abc",
+            "pools.decode.engine.num_kv_blocks must be int, got 'abc'",
+        ),
+        ("pools.decode.engine.speed=1", "unknown key pools.decode.engine.speed"),
+        (
+            "pools.decode.engine.model=other",
+            "pools.decode.engine.model cannot be set: it is the deployment's `model`",
+        ),
+        (
+            "pools.prefill.engine.device=cuda",
+            "pools.prefill.engine.device cannot be set: it is the pool's `device`",
+        ),
         ("server.port.x=1", "server.port is not a mapping"),
         ("noequals", "is not of the form dotted.key=value"),
     ],
