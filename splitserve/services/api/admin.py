@@ -6,17 +6,38 @@ the loopback interface, so that an open port does not let anyone resize the depl
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import APIError
-from splitserve.services.launch.deployment import WorkerStartError
-from splitserve.services.launch.scaling import ScaleError, Scaler
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class ScaleError(ValueError):
+    """A scale request that names no pool of the deployment or asks for no replicas (400)."""
+
+
+class ScaleFailed(RuntimeError):
+    """New replicas could not be placed or did not start (503)."""
+
+
+class PoolScaler(Protocol):
+    """What the admin routes resize. `splitserve serve` passes the launcher's Scaler
+    (services/launch/scaling.py); the API knows only this interface."""
+
+    def pools(self) -> dict[str, dict[str, Any]]:
+        """Per pool name: {"role": ..., "workers": [ids of the workers taking requests]}."""
+        ...
+
+    async def scale(self, replicas: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Bring each pool (by name or role) to its number of replicas; returns pools().
+        Raises ScaleError for a bad request and ScaleFailed when new replicas do not start."""
+        ...
 
 
 def check_admin(request: Request) -> None:
@@ -37,8 +58,8 @@ class ScaleBody(BaseModel):
     replicas: dict[str, int]
 
 
-def get_scaler(request: Request) -> Scaler:
-    scaler: Scaler | None = getattr(request.app.state, "scaler", None)
+def get_scaler(request: Request) -> PoolScaler:
+    scaler: PoolScaler | None = getattr(request.app.state, "scaler", None)
     if scaler is None:
         raise APIError(404, "this server cannot scale its workers", code="not_found")
     return scaler
@@ -56,5 +77,5 @@ async def scale(body: ScaleBody, request: Request) -> dict[str, Any]:
         return {"pools": await scaler.scale(body.replicas)}
     except ScaleError as exc:
         raise APIError(400, str(exc), param="replicas", code="invalid_value") from exc
-    except WorkerStartError as exc:
+    except ScaleFailed as exc:
         raise APIError(503, str(exc), "server_error", code="scale_failed") from exc

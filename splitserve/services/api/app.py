@@ -12,13 +12,12 @@ from splitserve.services.api import admin, chat, completions
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
 from splitserve.services.api.serving import ServerState, get_state
-from splitserve.services.launch.scaling import Scaler
 from splitserve.services.metrics import CONTENT_TYPE
 
 _CREATED = int(time.time())
 
 
-def build_app(state: ServerState, scaler: Scaler | None = None) -> FastAPI:
+def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> FastAPI:
     """An app serving ``state``; the caller starts ``state.client`` on the serving loop.
     With a ``scaler``, /admin/scale resizes the pools live."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)

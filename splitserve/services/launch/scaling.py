@@ -15,27 +15,26 @@ from collections.abc import Mapping
 from typing import Any
 
 from splitserve.config import DeployConfig
+from splitserve.services.api.admin import ScaleError, ScaleFailed
 from splitserve.services.api.client import WorkerClient
 from splitserve.services.api.worker_view import WorkerEndpoint
+from splitserve.services.launch.deployment import Deployment, WorkerStartError
 
 READY_TIMEOUT_S = 120.0
 READY_POLL_S = 0.1
 
 
-class ScaleError(ValueError):
-    """A scale request that names no pool of the deployment or asks for no replicas."""
-
-
 class Scaler:
-    def __init__(self, deployment: Any, client: WorkerClient) -> None:
+    """The admin routes' PoolScaler (services/api/admin.py) for a Ray deployment."""
+
+    def __init__(self, deployment: Deployment, client: WorkerClient) -> None:
         self.deployment = deployment
         self.client = client
         self._lock = asyncio.Lock()
 
     @property
     def config(self) -> DeployConfig:
-        config: DeployConfig = self.deployment.config
-        return config
+        return self.deployment.config
 
     def pools(self) -> dict[str, dict[str, Any]]:
         """Per pool: its role and the ids of the workers that take requests."""
@@ -71,7 +70,10 @@ class Scaler:
         return self.pools()
 
     async def _grow(self, name: str, count: int) -> None:
-        infos = await asyncio.to_thread(self.deployment.add_replicas, name, count)
+        try:
+            infos = await asyncio.to_thread(self.deployment.add_replicas, name, count)
+        except WorkerStartError as exc:
+            raise ScaleFailed(str(exc)) from exc
         for w in infos:
             endpoint = WorkerEndpoint(
                 w["worker_id"], w["request_addr"], w["output_addr"], w["role"], w["kv_addr"]
