@@ -66,6 +66,26 @@ def test_seeded_rows_ignore_their_neighbours() -> None:
     assert Sampler(0)(logits[:1], [greedy])[0].token_id == int(logits[0].argmax())
 
 
+def test_skip_draw_advances_a_seeded_generator_as_sampling_one_token_does() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    sampled, skipped, fresh = (Request(name, [1], params) for name in "abc")
+    Sampler(0)(logits, [sampled])
+    Sampler.skip_draw(skipped, vocab_size=50)
+    assert sampled.generator is not None and skipped.generator is not None
+    assert fresh.generator is not None
+    assert torch.equal(skipped.generator.get_state(), sampled.generator.get_state())
+    assert not torch.equal(skipped.generator.get_state(), fresh.generator.get_state())
+
+
+def test_skip_draw_leaves_greedy_seeded_requests_untouched() -> None:
+    params = SamplingParams(temperature=0.0, seed=7)
+    skipped, fresh = Request("a", [1], params), Request("b", [1], params)
+    Sampler.skip_draw(skipped, vocab_size=50)
+    assert skipped.generator is not None and fresh.generator is not None
+    assert torch.equal(skipped.generator.get_state(), fresh.generator.get_state())
+
+
 def test_incremental_detokenizer_matches_full_decode_with_multibyte_text(
     smollm2_tokenizer: Any,
 ) -> None:

@@ -1,7 +1,9 @@
 """Prefill/decode handoff inside one engine: export a prefilled request's KV, or reserve
 blocks for a request prefilled elsewhere and adopt it once its KV has arrived.
 
-The engine stays transport-agnostic: workers move the tensors (kvstore/transfer.py).
+The engine stays transport-agnostic: workers move the tensors (kvstore/transfer.py). This
+class keeps the KV side (the reservations, the prefilled KV waiting to be sent); the engine
+keeps the requests' lifecycle, through its public ``build_request`` and ``admit_prefilled``.
 """
 
 from __future__ import annotations
@@ -36,17 +38,20 @@ class Prefilled:
 
 
 class KVHandoff:
+    """Prefill side: ``hold`` (called by the engine's step), ``pop_prefilled``. Decode side:
+    ``reserve``, ``receive_buffer``, ``adopt``, or ``cancel`` if the transfer fails."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.prefilled: dict[str, Prefilled] = {}
         self.reserved: dict[str, Request] = {}
 
     # Prefill side.
-    def hold(self, req: Request, result: SampleResult) -> RequestOutput:
-        """A prefill_only request sampled its first token: copy its KV out, free its blocks."""
-        engine = self.engine
-        num_blocks = engine.block_manager.blocks_needed(req.num_prompt_tokens)
-        kv = engine.runner.gather_blocks(req.block_table[:num_blocks])
+    def hold(self, req: Request, result: SampleResult) -> None:
+        """A prefill_only request sampled its first token: copy its KV out before the engine
+        frees its blocks, and keep it until ``pop_prefilled``."""
+        num_blocks = self.engine.block_manager.blocks_needed(req.num_prompt_tokens)
+        kv = self.engine.runner.gather_blocks(req.block_table[:num_blocks])
         self.prefilled[req.request_id] = Prefilled(
             req.request_id,
             req.prompt_token_ids,
@@ -56,12 +61,6 @@ class KVHandoff:
             req.num_cached_tokens,
             _joined_embeddings(req.images),
         )
-        req.output_token_ids.append(result.token_id)
-        req.finish("prefilled")
-        engine.scheduler.finish(req)
-        engine.requests.pop(req.request_id, None)
-        engine.detokenizers.pop(req.request_id, None)
-        return req.to_output()
 
     def pop_prefilled(self, request_id: str) -> Prefilled:
         return self.prefilled.pop(request_id)
@@ -77,7 +76,7 @@ class KVHandoff:
         """Reserve blocks for a prompt prefilled elsewhere; False when none are free now.
 
         images: the prompt's images, for image-aware block hashes of the adopted KV."""
-        req = self.engine._new_request(request_id, prompt_token_ids, params, images)
+        req = self.engine.build_request(request_id, prompt_token_ids, params, images)
         if not self.engine.block_manager.allocate_slots(req, req.num_prompt_tokens):
             return False
         self.reserved[request_id] = req
@@ -110,16 +109,8 @@ class KVHandoff:
         engine.runner.scatter_blocks(req.block_table[:num_blocks], kv)
         req.num_computed_tokens = req.num_prompt_tokens
         engine.block_manager.commit(req)
-        engine._register(req)
-        if req.generator is not None and not req.params.greedy:
-            # The first token's draw happened on the prefill worker: keep the stream in step.
-            torch.empty(engine.model_config.vocab_size).exponential_(generator=req.generator)
         logprob = None if logprobs is None else logprobs[first_token].logprob
-        engine._append(req, SampleResult(first_token, logprob, logprobs))
-        if not req.is_finished:
-            req.admitted = True
-            engine.scheduler.add(req)
-        return engine._output(req)
+        return engine.admit_prefilled(req, SampleResult(first_token, logprob, logprobs))
 
     def cancel(self, request_id: str) -> None:
         """Drop a reservation (transfer failed or timed out) and free its blocks."""

@@ -107,19 +107,21 @@ class LLMEngine:
         which its blocks are kept in the block store (None: the store's default).
         images: the prompt's images with their embeddings (a vision-language model only).
         """
-        req = self._new_request(request_id, prompt, params, images)
+        req = self.build_request(request_id, prompt, params, images)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
         self._register(req)
         self.scheduler.add(req)
 
-    def _new_request(
+    def build_request(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
     ) -> Request:
+        """A validated request for this engine, not queued yet; ValueError if it can never be
+        served or its id is in use."""
         if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -154,6 +156,17 @@ class LLMEngine:
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             raise ValueError("the request needs more KV blocks than this worker has")
+
+    def admit_prefilled(self, req: Request, first: SampleResult) -> RequestOutput:
+        """Decode here a request whose prompt KV is already in its committed blocks and whose
+        first token was sampled on another engine (engine/kv_handoff.py)."""
+        self._register(req)
+        self.sampler.skip_draw(req, self.model_config.vocab_size)
+        self._append(req, first)
+        if not req.is_finished:
+            req.admitted = True
+            self.scheduler.add(req)
+        return self._output(req)
 
     def abort_request(self, request_id: str) -> None:
         self.handoff.cancel(request_id)
@@ -195,11 +208,22 @@ class LLMEngine:
         for i, result in zip(sampled, results):
             req = batch.requests[i]
             if req.prefill_only:
-                outputs.append(self.handoff.hold(req, result))
+                outputs.append(self._hand_over(req, result))
                 continue
             self._append(req, result)
             outputs.append(self._output(req))
         return outputs
+
+    def _hand_over(self, req: Request, result: SampleResult) -> RequestOutput:
+        """A prefill_only request sampled its first token: its KV is copied out for the
+        decode side (``handoff.pop_prefilled``) and it leaves this engine."""
+        self.handoff.hold(req, result)
+        req.output_token_ids.append(result.token_id)
+        req.finish("prefilled")
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+        self.detokenizers.pop(req.request_id, None)
+        return req.to_output()
 
     def _read(self, step: InflightStep) -> list[RequestOutput]:
         """The outputs of an overlapped step, once its tokens have reached the host."""

@@ -48,9 +48,23 @@ class Sampler:
         logits = logits / params.temperature
         logits = filter_top_k_top_p_min_p(logits, params.top_k, params.top_p, params.min_p)
         probs = torch.softmax(logits, dim=-1)
-        generator = req.generator or self.generator
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        noise = _noise(probs.shape[-1], req.generator or self.generator)
         return int(torch.argmax(probs / noise))
+
+    @staticmethod
+    def skip_draw(req: Request, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one token's draw, as ``_pick`` would have
+        drawn it: for a token sampled on another engine (the first token of a prompt prefilled
+        elsewhere), so that the tokens sampled here next are those a colocated engine samples.
+        Unseeded requests draw from the sampler's shared generator, which is not replayed."""
+        if req.generator is not None and not req.params.greedy:
+            _noise(vocab_size, req.generator)
+
+
+def _noise(size: int, generator: torch.Generator) -> torch.Tensor:
+    """The one random draw per sampled token: exponential noise over the vocabulary, so that
+    argmax(probs / noise) is a sample from probs (the exponential race)."""
+    return torch.empty(size, dtype=torch.float32).exponential_(generator=generator)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
