@@ -22,7 +22,7 @@ from splitserve.kernels import pdl
 from splitserve.kernels.dispatch import num_sms
 from splitserve.kernels.rotary import cos_sin, rotate_half
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -252,13 +252,13 @@ def _launch(
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         positions, cos, sin, slots,
-        scale * _LOG2E,
+        scale * LOG2E,
         stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), cos.stride(0), num_heads,
         GROUP=group, PAD_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAD_D=pad_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PRECISION=_precision(q.dtype), FROM_QKV=rotary is not None,
+        NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype), FROM_QKV=rotary is not None,
         num_warps=num_warps, **pdl.launch_kwargs(q),
     )  # fmt: skip
     if splits > 1:
@@ -269,7 +269,7 @@ def _launch(
         )  # fmt: skip
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """Full-precision dots for float32 (the default would be TF32 on NVIDIA GPUs)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.decode_attention import _LOG2E, _precision
+from splitserve.kernels.decode_attention import LOG2E, dot_precision
 
 
 @triton.jit
@@ -106,13 +106,13 @@ def paged_prefill_attention(
     grid = (num_seqs, num_heads, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, out,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         PAD_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out
 
