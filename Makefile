@@ -26,15 +26,17 @@ serve: install
 	$(VENV)/bin/splitserve serve
 
 test: install
-	$(VENV)/bin/ruff check splitserve tests benchmarks
-	$(VENV)/bin/ruff format --check splitserve tests benchmarks
+	$(VENV)/bin/ruff check splitserve tests benchmarks tools
+	$(VENV)/bin/ruff format --check splitserve tests benchmarks tools
 	$(VENV)/bin/mypy
+	$(PY) tools/check_layout.py splitserve
 	$(VENV)/bin/pytest -q -ra
 
 lint: install
-	$(VENV)/bin/ruff check splitserve tests benchmarks
-	$(VENV)/bin/ruff format --check splitserve tests benchmarks
+	$(VENV)/bin/ruff check splitserve tests benchmarks tools
+	$(VENV)/bin/ruff format --check splitserve tests benchmarks tools
 	$(VENV)/bin/mypy
+	$(PY) tools/check_layout.py splitserve
 
 bench: install
 	bash benchmarks/cpu.sh
