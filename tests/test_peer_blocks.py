@@ -16,6 +16,7 @@ import pytest
 import torch
 import zmq
 
+from splitserve.config import KVStoreConfig, PrefixIndexConfig, TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
 from splitserve.services.workers.prefill import PrefillWorker
+from splitserve.services.workers.spec import WorkerSpec
 from tests.server_process import free_port
 from tests.tiny_models import tiny_model
 
@@ -30,16 +32,8 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 4.0
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
 ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
-KV = {
-    "prefix_index": {"url": "memory://", "ttl_s": 3600.0, "publish_interval_s": 0.5},
-    "kv_store": {
-        "host_bytes": 0,
-        "disk_path": None,
-        "disk_bytes": 0,
-        "retention": {"chat": 3600.0},
-        "default_class": "chat",
-    },
-}
+INDEX = PrefixIndexConfig(url="memory://", ttl_s=3600.0, publish_interval_s=0.5)
+STORE = KVStoreConfig(host_bytes=0, retention={"chat": 3600.0}, default_class="chat")
 _ids = itertools.count()
 
 
@@ -65,11 +59,17 @@ class Worker:
     """A started PrefillWorker and its request socket's address."""
 
     def __init__(self, worker_id: str, store: StoreAddress, model: str) -> None:
-        transfer = {"backend": "gloo", "timeout_s": TIMEOUT_S}
-        address = [store.host, store.port]
-        engine = {"model": model, **ENGINE}
-        # threads=0: leave this process's torch thread count alone.
-        self.worker = PrefillWorker(worker_id, engine, "127.0.0.1", 0, transfer, address, KV)
+        spec = WorkerSpec(
+            worker_id,
+            "prefill",
+            EngineConfig(model, **ENGINE),
+            threads=0,  # leave this process's torch thread count alone
+            transfer=TransferConfig(backend="gloo", timeout_s=TIMEOUT_S),
+            store=store,
+            prefix_index=INDEX,
+            kv_store=STORE,
+        )
+        self.worker = PrefillWorker(spec)
         self.addr = str(self.worker.start()["request_addr"])
 
     def remote_tokens(self) -> tuple[int, int]:

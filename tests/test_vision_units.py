@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from splitserve.config import ImagesConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.image_inputs import ImageError
 from splitserve.kvstore.hashing import ImageSpan
@@ -20,6 +21,7 @@ from splitserve.router.vision import VisionRouter
 from splitserve.services import messages as msg
 from splitserve.services.api.images import fetch
 from splitserve.services.workers.encoder_cache import EncoderCache
+from splitserve.services.workers.spec import WorkerSpec
 from splitserve.services.workers.vision import VisionWorker
 from tests.vision import encoded, picture
 
@@ -56,11 +58,11 @@ def test_image_messages_round_trip_with_bytes_and_spans() -> None:
 
 
 def test_vision_worker_answers_an_undecodable_image_with_a_400_and_keeps_going() -> None:
-    worker = VisionWorker("vision-0", {"model": "unused"}, "127.0.0.1", 1, kv={})
+    worker = VisionWorker(WorkerSpec("vision-0", "vision", EngineConfig("unused")))
     for data in (b"not an image", b"GIF89a" + b"\x00" * 32, b""):
         worker._run(msg.EncodeImages("r", [msg.ImageData("h", data)], "prefill-0", "tcp://x"))
     assert [(e.request_id, e.status) for e in worker._errors] == [("r", 400)] * 3
-    assert worker.images_encoded == 0 and not worker._outboxes
+    assert worker.images_encoded == 0 and len(worker.cache) == 0
 
 
 def test_image_urls_are_fetched_only_from_allowed_hosts_without_redirects() -> None:

@@ -12,9 +12,12 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.config import DeployConfig, PoolConfig
+
+if TYPE_CHECKING:
+    from splitserve.kvstore.transfer import StoreAddress
 
 OBJECT_STORE_BYTES = 128 << 20
 PLACEMENT_TIMEOUT_S = 60.0
@@ -47,7 +50,7 @@ class Deployment:
         self._next_index: dict[str, int] = {}
         self._owns_ray = False
         self._store: Any = None
-        self._store_addr: list[Any] | None = None
+        self._store_addr: StoreAddress | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -88,8 +91,7 @@ class Deployment:
         if config.disaggregated:
             from splitserve.kvstore.transfer import start_store
 
-            self._store, address = start_store(_driver_host(config.server.internal_host))
-            self._store_addr = [address.host, address.port]
+            self._store, self._store_addr = start_store(_driver_host(config.server.internal_host))
         for name, pool in config.pools.items():
             self.add_replicas(name, pool.replicas)
 
@@ -119,8 +121,10 @@ class Deployment:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from splitserve.services.workers.base import worker_class
+        from splitserve.services.workers.spec import WorkerSpec
 
         pool = self.config.pools[name]
+        caches = pool.role in ("prefill", "both")  # the engines that load and publish prefixes
         index = self._next_index.get(name, 0)
         self._next_index[name] = index + 1
         worker_id = f"{name}-{index}"
@@ -143,17 +147,18 @@ class Deployment:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
             )
             .remote(
-                worker_id,
-                dataclasses.asdict(_worker_engine_config(self.config, name)),
-                _bundle_host(self.config.server.internal_host, group),
-                pool.num_threads or os.cpu_count() or 1,
-                dataclasses.asdict(self.config.transfer),
-                self._store_addr,
-                {
-                    "prefix_index": dataclasses.asdict(self.config.prefix_index),
-                    "kv_store": dataclasses.asdict(self.config.kv_store),
-                    "images": dataclasses.asdict(self.config.images),
-                },
+                WorkerSpec(
+                    worker_id=worker_id,
+                    role=pool.role,
+                    engine=_worker_engine_config(self.config, name),
+                    bind_host=_bundle_host(self.config.server.internal_host, group),
+                    threads=pool.num_threads or os.cpu_count() or 1,
+                    transfer=self.config.transfer,
+                    store=self._store_addr,
+                    prefix_index=self.config.prefix_index if caches else None,
+                    kv_store=self.config.kv_store if caches else None,
+                    images=self.config.images,
+                )
             )
         )
         self.replicas[worker_id] = Replica(worker_id, name, actor, group)

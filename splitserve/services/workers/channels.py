@@ -1,97 +1,246 @@
-"""A prefill worker's receiving end for image embeddings from vision workers (and, with
-``ndim=6``, for prefix blocks from peer prefill workers: services/workers/peer_blocks.py).
+"""The one way tensors move between workers: a header message on the receiving worker's ZMQ
+socket, then the tensors it announces on the KV transport (kvstore/transfer.py), in order.
 
-An EmbeddingsHeader (PeerBlocks) arrives on the worker's embeddings socket (read by the loop
-thread); the tensor follows on the KV transport from that sender. One receiver thread per vision
-worker runs the transport's recv in header order (the order the sender used) and hands the
-filled buffer back to the loop thread through ``collect``.
+- ``TensorSender``: one thread per receiving peer owns that peer's header socket and channel
+  generation. A send that fails drops the channel and bumps the generation, so the next
+  header opens a fresh process group; the request is reported failed when its send says so.
+- ``TensorReceiver``: one thread per sending peer runs the transport's recv in header order
+  (the order the sender used) and queues the results for the worker's loop thread.
+  Every header passes the one check (services/workers/slots.py: ``accept``) against the room
+  its receiving worker reserved for it. A refused header allocates nothing; its channel
+  generation is dropped in order (the sender still sends, so the channel would be out of
+  step), which makes the sender's send fail.
+
+Users: prefill -> decode (KvHeader: the prompt's KV, then image embeddings), vision -> prefill
+(EmbeddingsHeader), prefill -> prefill (PeerBlocks, services/workers/peer_blocks.py).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
+import zmq
 
 from splitserve.kvstore.transfer import KVTransport, TransferError
 from splitserve.services import messages as msg
+from splitserve.services.workers.slots import Refused, Slot, accept
 
 QUEUE_POLL_S = 0.1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MAX_ELEMENTS = 1 << 28
-"""A header announcing more than this (1 GiB of float32) is refused, not allocated."""
+logger = logging.getLogger("splitserve.worker")
+
+
+H = TypeVar("H", msg.KvHeader, msg.EmbeddingsHeader, msg.PeerBlocks)
 
 
 @dataclass(frozen=True)
-class Arrived:
-    """A request's embeddings (all its images, in prompt order), or why they did not come."""
+class Received(Generic[H]):
+    """A header's tensors as received, in the order announced, or why they were not."""
 
-    request_id: str
-    embeddings: torch.Tensor | None
+    header: H
+    tensors: list[torch.Tensor]
     error: str | None
+    seconds: float = 0.0
 
 
-Header = msg.EmbeddingsHeader | msg.PeerBlocks
+@dataclass(frozen=True)
+class _Pending(Generic[H]):
+    header: H
+    buffers: list[torch.Tensor]
+    refusal: str | None
 
 
-class EmbeddingInbox:
-    """ndim: the rank a header's shape must have (embeddings [tokens, hidden]: 2)."""
+class TensorReceiver(Generic[H]):
+    """The receiving end of one kind of header. ``what`` names the tensors in errors;
+    ``failed`` is told when a receiver thread stops on an unexpected error."""
 
     def __init__(
-        self, worker_id: str, transport: KVTransport, stop: threading.Event, ndim: int = 2
+        self,
+        worker_id: str,
+        transport: KVTransport,
+        stop: threading.Event,
+        failed: Callable[[str], None],
+        what: str,
     ) -> None:
         self.worker_id = worker_id
         self.transport = transport
-        self.ndim = ndim
+        self.what = what
         self._stop = stop
-        self._peers: dict[str, queue.Queue[tuple[Header, torch.Tensor]]] = {}
-        self._arrived: queue.Queue[Arrived] = queue.Queue()
+        self._failed = failed
+        self._peers: dict[str, queue.Queue[_Pending[H]]] = {}
+        self._results: queue.Queue[Received[H]] = queue.Queue()
 
-    def on_header(self, header: Header) -> None:
-        """Queue the receive of the announced tensor (loop thread)."""
-        dtype = DTYPES.get(header.dtype)
-        numel = 1
-        for size in header.shape:
-            numel *= max(size, 0)
-        if dtype is None or len(header.shape) != self.ndim or numel > MAX_ELEMENTS:
-            # The sender will still send: receive into nothing useful is impossible, so the
-            # channel is dropped (the sender's next request opens a new generation).
-            self.transport.drop(header.sender, self.worker_id, header.generation)
-            error = f"malformed {type(header).__name__} from {header.sender}"
-            self._arrived.put(Arrived(header.request_id, None, error))
-            return
-        buffer = torch.empty(header.shape, dtype=dtype, device=self.transport.device)
-        self._peer_queue(header.sender).put((header, buffer))
+    def on_header(
+        self, header: H, shapes: Sequence[Sequence[int]], slots: Sequence[Slot] | None
+    ) -> None:
+        """Check the header against the slots reserved for it and queue its receive, or its
+        refusal (loop thread); either way its result comes out of ``collect``."""
+        try:
+            pending = _Pending(
+                header, accept(header.dtype, shapes, slots, self.transport.device), None
+            )
+        except Refused as exc:
+            refusal = f"{self.what} for {header.request_id} from {header.sender} refused: {exc}"
+            pending = _Pending(header, [], refusal)
+        self._peer_queue(header.sender).put(pending)
 
-    def collect(self) -> list[Arrived]:
-        """Everything that arrived (or failed) since the last call (loop thread)."""
-        arrived = []
-        while not self._arrived.empty():
-            arrived.append(self._arrived.get_nowait())
-        return arrived
+    def collect(self) -> list[Received[H]]:
+        """Everything received (or failed) since the last call (loop thread)."""
+        results = []
+        while not self._results.empty():
+            results.append(self._results.get_nowait())
+        return results
 
-    def _peer_queue(self, peer: str) -> queue.Queue[tuple[Header, torch.Tensor]]:
+    def _peer_queue(self, peer: str) -> queue.Queue[_Pending[H]]:
         if peer not in self._peers:
             self._peers[peer] = queue.Queue()
-            threading.Thread(
-                target=self._receive_loop, args=(peer,), name=f"emb-recv-{peer}", daemon=True
-            ).start()
+            body = _guarded(self._receive_loop, self._stop, self._failed, peer)
+            threading.Thread(target=body, name=f"recv-{peer}", daemon=True).start()
         return self._peers[peer]
 
     def _receive_loop(self, peer: str) -> None:
         inbox = self._peers[peer]
         while not self._stop.is_set():
             try:
-                header, buffer = inbox.get(timeout=QUEUE_POLL_S)
+                pending = inbox.get(timeout=QUEUE_POLL_S)
             except queue.Empty:
                 continue
-            try:
+            self._results.put(self._receive(peer, pending))
+
+    def _receive(self, peer: str, pending: _Pending[H]) -> Received[H]:
+        header = pending.header
+        if pending.refusal is not None:
+            # The sender sends anyway: with nothing received, this generation is out of step.
+            self.transport.drop(peer, self.worker_id, header.generation)
+            return Received(header, [], pending.refusal)
+        start = time.monotonic()
+        try:
+            for buffer in pending.buffers:
                 self.transport.recv(peer, header.generation, buffer)
-            except TransferError as exc:
-                self.transport.drop(peer, self.worker_id, header.generation)
-                error = f"image embeddings from {peer} did not arrive: {exc}"
-                self._arrived.put(Arrived(header.request_id, None, error))
-                continue
-            self._arrived.put(Arrived(header.request_id, buffer, None))
+        except TransferError as exc:
+            self.transport.drop(peer, self.worker_id, header.generation)
+            return Received(header, [], f"{self.what} from {peer} did not arrive: {exc}")
+        return Received(header, pending.buffers, None, time.monotonic() - start)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One send to a peer: the header for a channel generation, then its tensors.
+
+    what: named in the request's 503 when the send fails; None when a failure does not fail
+    the request (a peer-block answer: the asking worker then computes the prefix itself).
+    """
+
+    request_id: str
+    header: Callable[[int], msg.Message]
+    tensors: list[torch.Tensor]
+    what: str | None
+
+
+class TensorSender:
+    """The sending end: ``send`` queues (loop thread); each peer's thread sends in order.
+
+    errors: where failed requests go. timed: told each successful send's seconds.
+    delay_s: a pause between a header and its tensors (transfer.fault_send_delay_s, tests).
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        transport: KVTransport,
+        ctx: zmq.Context,
+        stop: threading.Event,
+        errors: queue.Queue[msg.RequestError],
+        failed: Callable[[str], None],
+        timed: Callable[[float], None] | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.transport = transport
+        self._ctx = ctx
+        self._stop = stop
+        self._errors = errors
+        self._failed = failed
+        self._timed = timed
+        self._delay_s = delay_s
+        self._outboxes: dict[str, queue.Queue[Outgoing]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._outboxes)
+
+    def send(self, peer: str, addr: str, outgoing: Outgoing) -> None:
+        """Queue a send to ``peer``, whose header socket is at ``addr``."""
+        if peer not in self._outboxes:
+            self._outboxes[peer] = queue.Queue()
+            body = _guarded(self._send_loop, self._stop, self._failed, peer, addr)
+            threading.Thread(target=body, name=f"send-{peer}", daemon=True).start()
+        self._outboxes[peer].put(outgoing)
+
+    def _send_loop(self, peer: str, addr: str) -> None:
+        outbox = self._outboxes[peer]
+        socket = push_socket(self._ctx, addr)
+        generation = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    outgoing = outbox.get(timeout=QUEUE_POLL_S)
+                except queue.Empty:
+                    continue
+                socket.send(msg.encode(outgoing.header(generation)))
+                if outgoing.tensors and not self._send_tensors(peer, generation, outgoing):
+                    generation += 1
+        finally:
+            socket.close(linger=0)
+
+    def _send_tensors(self, peer: str, generation: int, outgoing: Outgoing) -> bool:
+        if self._delay_s:
+            time.sleep(self._delay_s)
+        start = time.monotonic()
+        try:
+            for tensor in outgoing.tensors:
+                self.transport.send(peer, generation, tensor)
+        except TransferError as exc:
+            self.transport.drop(self.worker_id, peer, generation)
+            if outgoing.what is not None:
+                error = f"sending {outgoing.what} to {peer} failed: {exc}"
+                self._errors.put(msg.RequestError(outgoing.request_id, error, 503))
+            return False
+        if self._timed is not None:
+            self._timed(time.monotonic() - start)
+        return True
+
+
+def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A PUSH socket to a peer that never blocks on a full queue and drops on close."""
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(addr)
+    return socket
+
+
+def _guarded(
+    body: Callable[..., None],
+    stop: threading.Event,
+    failed: Callable[[str], None],
+    *args: str,
+) -> Callable[[], None]:
+    """A thread body that logs an unexpected error and tells ``failed`` (the worker then
+    fails its requests) instead of dying silently; after stop, its sockets are gone."""
+
+    def run() -> None:
+        try:
+            body(*args)
+        except Exception as exc:
+            if stop.is_set():
+                return
+            logger.exception("thread %s stopped", threading.current_thread().name)
+            failed(f"thread {threading.current_thread().name}: {type(exc).__name__}: {exc}")
+
+    return run

@@ -31,6 +31,10 @@ class ImageWaits:
     def add_embeddings(self, request_id: str, embeddings: torch.Tensor) -> None:
         self._embeddings[request_id] = (embeddings, time.monotonic() + self.timeout_s)
 
+    def prefills(self) -> list[str]:
+        """The prompts that wait for their embeddings."""
+        return list(self._prefills)
+
     def discard(self, request_id: str) -> None:
         self._prefills.pop(request_id, None)
         self._embeddings.pop(request_id, None)

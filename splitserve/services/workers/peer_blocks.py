@@ -19,7 +19,9 @@ it still has (n may be fewer than asked, or 0). Anything else that goes wrong (a
 mismatched answer, a broken channel, a peer that never answers) is a miss too, and the prompt
 is computed in full; a request never fails for it. B waits at most ``PEER_WAIT_FRACTION`` of
 ``transfer.timeout_s``: the decode worker holds its reservation for ``timeout_s`` from Reserve,
-which must still cover the compute and the handoff.
+which must still cover the compute and the handoff. An answer that comes later is still
+received (into room for what was asked, channels.py), so that the channel stays in step; one
+that comes more than ``timeout_s`` after the question is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.store import BlockStore
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
-from splitserve.services.workers.channels import EmbeddingInbox
+from splitserve.services.workers.channels import TensorReceiver, push_socket
+from splitserve.services.workers.slots import Slot
 
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine
@@ -130,9 +133,17 @@ class _Fetch:
     deadline: float
 
 
+@dataclass(frozen=True)
+class _Asked:
+    blocks: int
+    until: float
+    """When an answer is no longer expected (its header is refused after that)."""
+
+
 class PeerFetches:
     """The requester's side: prompts that wait for a peer's blocks (loop thread), received
-    by an inbox thread per peer in the order of their headers."""
+    by a receiver thread per peer in the order of their headers. ``failed``: told when a
+    receiver thread stops on an unexpected error (base.Worker)."""
 
     def __init__(
         self,
@@ -143,16 +154,21 @@ class PeerFetches:
         staged: StagedBlocks,
         engine: LLMEngine,
         stop: threading.Event,
+        failed: Callable[[str], None],
     ) -> None:
         self.worker_id = worker_id
         self.reply_addr = reply_addr
         self.staged = staged
         self.engine = engine
-        self.wait_s = transport.timeout.total_seconds() * PEER_WAIT_FRACTION
-        self.inbox = EmbeddingInbox(worker_id, transport, stop, ndim=6)
+        self.timeout_s = transport.timeout.total_seconds()
+        self.wait_s = self.timeout_s * PEER_WAIT_FRACTION
+        self.receiver: TensorReceiver[msg.PeerBlocks] = TensorReceiver(
+            worker_id, transport, stop, failed, "prefix blocks"
+        )
         self._ctx = ctx
         self._sockets: dict[str, zmq.Socket] = {}
         self._waiting: dict[str, _Fetch] = {}
+        self._asked: dict[str, _Asked] = {}
         self._missed: list[str] = []
 
     def __bool__(self) -> bool:
@@ -176,58 +192,58 @@ class PeerFetches:
             return False
         ask = msg.FetchBlocks(prefill.request_id, self.worker_id, self.reply_addr, wanted)
         self._socket(peer.request_addr).send(msg.encode(ask))
-        self._waiting[prefill.request_id] = _Fetch(prefill, wanted, time.monotonic() + self.wait_s)
+        now = time.monotonic()
+        self._waiting[prefill.request_id] = _Fetch(prefill, wanted, now + self.wait_s)
+        self._asked[prefill.request_id] = _Asked(len(wanted), now + self.timeout_s)
         return True
 
     def on_header(self, header: msg.PeerBlocks) -> None:
-        """A peer's answer: nothing follows for 0 blocks; otherwise the tensor is received
-        even for a prompt that stopped waiting, so that the channel stays in step."""
-        if header.blocks > 0:
-            self.inbox.on_header(header)
-        elif header.request_id in self._waiting:
-            self._missed.append(header.request_id)
+        """A peer's answer: nothing follows for 0 blocks; otherwise the tensor is received,
+        at most the blocks asked for in this engine's layout and dtype, even for a prompt that
+        stopped waiting, so that the channel stays in step."""
+        asked = self._asked.pop(header.request_id, None)
+        if header.blocks == 0:
+            if header.request_id in self._waiting:
+                self._missed.append(header.request_id)
+            return
+        slots = None
+        if asked is not None:
+            runner = self.engine.runner
+            slots = [Slot(runner.kv_shape(asked.blocks), runner.dtype, free=2)]
+        self.receiver.on_header(header, [header.shape], slots)
 
     def ready(self) -> list[msg.Prefill]:
         """The prompts that may start: their blocks are staged, or their peer missed."""
         done: list[tuple[str, torch.Tensor | None]] = [(r, None) for r in self._missed]
         self._missed = []
-        done += [(a.request_id, a.embeddings) for a in self.inbox.collect()]
+        done += [
+            (r.header.request_id, next(iter(r.tensors), None)) for r in self.receiver.collect()
+        ]
         now = time.monotonic()
         done += [(r, None) for r, fetch in self._waiting.items() if now > fetch.deadline]
+        self._asked = {r: asked for r, asked in self._asked.items() if now <= asked.until}
         started = []
         for request_id, kv in done:
             fetch = self._waiting.pop(request_id, None)
             if fetch is None:
                 continue
-            if kv is not None and self._fits(kv, len(fetch.block_hashes)):
+            if kv is not None:
                 self.staged.stage(request_id, fetch.block_hashes[: kv.shape[2]], kv)
             started.append(fetch.prefill)
         return started
+
+    def waiting(self) -> list[str]:
+        """The prompts that wait for their peer's blocks."""
+        return list(self._waiting)
 
     def discard(self, request_id: str) -> None:
         """The prompt is done or aborted: forget its wait and its staged blocks."""
         self._waiting.pop(request_id, None)
         self.staged.release(request_id)
 
-    def close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close(linger=0)
-
-    def _fits(self, kv: torch.Tensor, asked: int) -> bool:
-        """A peer's tensor is usable when it is this engine's block layout and dtype, at most
-        as many blocks as asked for."""
-        runner = self.engine.runner
-        blocks = kv.shape[2]
-        layout = tuple(kv.shape) == runner.kv_shape(blocks) and kv.dtype == runner.dtype
-        return 0 < blocks <= asked and layout
-
     def _socket(self, addr: str) -> zmq.Socket:
         if addr not in self._sockets:
-            socket = self._ctx.socket(zmq.PUSH)
-            socket.setsockopt(zmq.SNDHWM, 0)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(addr)
-            self._sockets[addr] = socket
+            self._sockets[addr] = push_socket(self._ctx, addr)
         return self._sockets[addr]
 
 

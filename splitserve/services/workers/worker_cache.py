@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
+from splitserve.config import KVStoreConfig, PrefixIndexConfig
 from splitserve.kvstore.index import Prefixes, PrefixIndex, make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig, RetentionPolicy
@@ -77,17 +77,20 @@ class WorkerCache:
     """Built in the worker's process; ``tick`` runs on the engine loop thread."""
 
     def __init__(
-        self, worker_id: str, kv: Mapping[str, Any], device_hashes: Callable[[], list[int]]
+        self,
+        worker_id: str,
+        index_config: PrefixIndexConfig,
+        store_config: KVStoreConfig,
+        device_hashes: Callable[[], list[int]],
     ) -> None:
-        index_cfg, store_cfg = kv["prefix_index"], kv["kv_store"]
-        remote = not str(index_cfg["url"]).startswith("memory://")
+        remote = not index_config.url.startswith("memory://")
         self.forward = None if remote else ForwardingIndex()
         self.index: PrefixIndex = (
-            make_index(index_cfg["url"], index_cfg["ttl_s"]) if remote else self.forward  # type: ignore[assignment]
+            make_index(index_config.url, index_config.ttl_s) if remote else self.forward  # type: ignore[assignment]
         )
-        disk_path = store_cfg["disk_path"]
+        disk_path = store_config.disk_path
         self.node_id = f"node:{socket.gethostname()}:{disk_path}" if disk_path else ""
-        interval = float(index_cfg["publish_interval_s"])
+        interval = index_config.publish_interval_s
         self.worker_buffer = PublishBuffer(
             self.index,
             worker_id,
@@ -103,9 +106,9 @@ class WorkerCache:
             self.buffers.append(node_buffer)
             tiers["disk"] = node_buffer
         self.events = TierHolders(tiers)
-        retention = RetentionPolicy(dict(store_cfg["retention"]), store_cfg["default_class"])
+        retention = RetentionPolicy(dict(store_config.retention), store_config.default_class)
         config = BlockStoreConfig(
-            store_cfg["host_bytes"], disk_path, store_cfg["disk_bytes"], retention
+            store_config.host_bytes, disk_path, store_config.disk_bytes, retention
         )
         self.store = BlockStore(config, self.events)
         self.blocks = StagedBlocks(self.store)

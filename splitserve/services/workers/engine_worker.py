@@ -1,0 +1,181 @@
+"""EngineWorker: a worker of role ``both`` (prefill and decode in one engine), and the base of
+``PrefillWorker`` and ``DecodeWorker``.
+
+Its round: an engine step, then the token deltas of the step (and errors) to the API server.
+With a KV cache system configured (``spec.prefix_index`` and ``spec.kv_store``), prefill and
+colocated engines load prefixes from their block store and publish what they hold
+(services/workers/worker_cache.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+from splitserve.engine.request import Logprob, RequestOutput
+from splitserve.services import messages as msg
+from splitserve.services.workers.base import Worker
+from splitserve.services.workers.spec import WorkerSpec
+from splitserve.services.workers.worker_cache import WorkerCache
+
+
+class EngineWorker(Worker):
+    role = "both"
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
+        self.cache: WorkerCache | None = None
+        self._sent: dict[str, tuple[int, int]] = {}
+        """Requests whose tokens this worker streams: (text length, tokens) sent so far."""
+        self._prefill_rate = 0.0
+        self._transfer_seconds: queue.Queue[float] = queue.Queue()
+
+    def _load(self) -> None:
+        from splitserve.engine.llm_engine import LLMEngine
+
+        spec = self.spec
+        if spec.prefix_index is not None and spec.kv_store is not None:
+            self.cache = WorkerCache(
+                self.worker_id,
+                spec.prefix_index,
+                spec.kv_store,
+                lambda: list(self.engine.block_manager.cached),
+            )
+            self.engine = LLMEngine(
+                spec.engine, block_store=self.cache.blocks, cache_events=self.cache.events
+            )
+        else:
+            self.engine = LLMEngine(spec.engine)
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+
+    def stop(self) -> None:
+        super().stop()
+        if self.cache is not None:
+            self.cache.close()
+
+    def _round(self) -> None:
+        super()._round()
+        if self.cache is not None:
+            for update in self.cache.tick():
+                self._send(update)
+
+    def _poll_ms(self) -> int:
+        return 0 if self.engine.has_unfinished_requests() else super()._poll_ms()
+
+    def _handle(self, message: msg.Message) -> None:
+        if isinstance(message, msg.GenerateRequest):
+            try:
+                self.engine.add_request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    traffic_class=message.traffic_class,
+                )
+            except ValueError as exc:
+                self._errors.append(msg.RequestError(message.request_id, str(exc)))
+                return
+            self._sent[message.request_id] = (0, 0)
+        elif isinstance(message, msg.AbortRequest):
+            self._abort(message.request_ids)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            self._sent.pop(request_id, None)
+        self._last_stats = 0.0
+
+    def _held(self) -> list[str]:
+        return list(self._sent)
+
+    def _tick(self) -> None:
+        self._send_outputs(self._step())
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (if there is work), measuring the prompt throughput."""
+        if not self.engine.has_unfinished_requests():
+            return []
+        computed, start = self.engine.prompt_tokens_computed, time.monotonic()
+        outputs = self.engine.step()
+        tokens = self.engine.prompt_tokens_computed - computed
+        if tokens:
+            rate = tokens / max(time.monotonic() - start, 1e-6)
+            old = self._prefill_rate
+            self._prefill_rate = rate if not old else 0.7 * old + 0.3 * rate
+        return outputs
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._send_batch([d for d in (self._delta(o) for o in outputs) if d is not None])
+
+    def _delta(self, output: RequestOutput) -> msg.TokenDelta | None:
+        if output.request_id not in self._sent:
+            return None
+        text_len, num_tokens = self._sent[output.request_id]
+        completion = output.outputs[0]
+        if output.finished:
+            del self._sent[output.request_id]
+            self._last_stats = 0.0
+        else:
+            self._sent[output.request_id] = (len(completion.text), len(completion.token_ids))
+        return msg.TokenDelta(
+            request_id=output.request_id,
+            text=completion.text[text_len:],
+            token_ids=list(completion.token_ids[num_tokens:]),
+            logprobs=_wire_logprobs(completion.logprobs, completion.token_ids, num_tokens),
+            finish_reason=completion.finish_reason if output.finished else None,
+            stop_reason=completion.stop_reason if output.finished else None,
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+    def _transfer_bytes(self) -> int:
+        return 0
+
+    def _stats(self) -> msg.WorkerStats:
+        seconds = []
+        while not self._transfer_seconds.empty():
+            seconds.append(self._transfer_seconds.get_nowait())
+        s = self.engine.stats()
+        tiers = s.cached_tokens_by_tier or {}
+        return msg.WorkerStats(
+            worker_id=self.worker_id,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            kv_usage=float(s.kv_usage),
+            prompt_tokens_computed=s.prompt_tokens_computed,
+            prompt_tokens_cached=s.prompt_tokens_cached,
+            kv_transfer_bytes=self._transfer_bytes(),
+            kv_transfer_seconds=seconds,
+            cached_host_tokens=tiers.get("host", 0),
+            cached_disk_tokens=tiers.get("disk", 0),
+            cached_remote_tokens=tiers.get("remote", 0),
+            queued_tokens=s.queued_prompt_tokens,
+            prefill_tokens_per_s=self._prefill_rate,
+            node_id=self.cache.node_id if self.cache is not None else "",
+        )
+
+
+def _wire_logprobs(
+    logprobs: list[dict[int, Any]] | None, token_ids: list[int], start: int
+) -> list[list[msg.TokenLogprob]] | None:
+    """The new positions' logprobs, the sampled token first, then by rank."""
+    if logprobs is None:
+        return None
+    return [
+        wire_position(logprobs[position], token_ids[position])
+        for position in range(start, len(logprobs))
+    ]
+
+
+def wire_position(position: dict[int, Logprob], sampled: int) -> list[msg.TokenLogprob]:
+    """One position's logprobs as messages, the sampled token first, then by rank."""
+    entries = sorted(position.items(), key=lambda kv: (kv[0] != sampled, kv[1].rank))
+    return [msg.TokenLogprob(t, float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in entries]
+
+
+def engine_position(entries: list[msg.TokenLogprob]) -> dict[int, Logprob]:
+    """The inverse of wire_position."""
+    return {e.token_id: Logprob(e.logprob, e.rank, e.decoded_token) for e in entries}
