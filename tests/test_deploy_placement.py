@@ -1,9 +1,11 @@
-"""Placement across nodes: a Ray cluster of several raylets on this machine, labelled with
-the `prefill` and `decode` custom resources; the launcher puts each pool on its own nodes."""
+"""Placement: across nodes, a Ray cluster of several raylets on this machine, labelled with
+the `prefill` and `decode` custom resources, where the launcher puts each pool on its own
+nodes; on one host, a private local Ray that offers the pools' labels itself."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,10 +13,11 @@ import ray
 from ray.cluster_utils import Cluster
 
 from splitserve.config import load_config
-from splitserve.services.launch.deployment import Deployment
+from splitserve.services.launch.deployment import Deployment, local_label_totals
 
-pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
 NODE_MEMORY = 80 << 20
+TINY_ENGINE = "{kv_cache_bytes: 8388608, max_model_len: 128, max_num_seqs: 4}"
 
 
 @pytest.fixture
@@ -43,11 +46,11 @@ def actor_node(actor: Any) -> str:
     return node_id
 
 
+@pytest.mark.slow
 def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
     cluster: tuple[Cluster, dict[str, str]],
 ) -> None:
     ray_cluster, nodes = cluster
-    engine = "{kv_cache_bytes: 8388608, max_model_len: 128, max_num_seqs: 4}"
     config = load_config(
         None,
         [
@@ -60,8 +63,8 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
             "pools.decode.replicas=2",
             "pools.prefill.num_cpus=0.1",
             "pools.decode.num_cpus=0.1",
-            f"pools.prefill.engine={engine}",
-            f"pools.decode.engine={engine}",
+            f"pools.prefill.engine={TINY_ENGINE}",
+            f"pools.decode.engine={TINY_ENGINE}",
         ],
     )
     deployment = Deployment(config)
@@ -88,3 +91,51 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
         assert actor_node(deployment.replicas["decode-2"].actor) == nodes["decode"]
     finally:
         deployment.stop()
+
+
+def test_a_private_ray_offers_each_label_its_replicas_demand_rounded_up_to_whole_units() -> None:
+    gpu_1p1d = load_config(REPO / "configs" / "gpu-1p1d.yaml")
+    assert local_label_totals(gpu_1p1d.pools) == {"prefill_node": 1.0, "decode_node": 1.0}
+    shared = load_config(
+        None,
+        [
+            "pools.prefill.resources={node: 0.25, prefill: 1.1}",
+            "pools.prefill.replicas=10",
+            "pools.decode.resources={node: 0.25}",
+            "pools.decode.replicas=3",
+        ],
+    )
+    assert local_label_totals(shared.pools) == {"node": 4.0, "prefill": 11.0}
+
+
+@pytest.mark.slow
+def test_fractional_node_labels_start_every_worker_on_a_private_one_host_ray() -> None:
+    config = load_config(
+        REPO / "configs" / "gpu-1p1d.yaml",
+        [
+            "model=shape:smollm2-135m",
+            "transfer.backend=gloo",
+            "pools.prefill.replicas=2",
+            *(
+                f"pools.{pool}.{key}"
+                for pool in ("prefill", "decode")
+                for key in ("device=cpu", "num_threads=1", f"engine={TINY_ENGINE}")
+            ),
+        ],
+    )
+    assert config.ray.address is None
+    assert config.pools["prefill"].resources == {"prefill_node": 0.001}
+    deployment = Deployment(config)
+    try:
+        deployment.start_ray()
+        labels = {k: v for k, v in ray.cluster_resources().items() if k.endswith("_node")}
+        assert labels == {"prefill_node": 1.0, "decode_node": 1.0}
+        deployment.start_workers()
+        assert sorted(w["worker_id"] for w in deployment.workers) == [
+            "decode-0",
+            "prefill-0",
+            "prefill-1",
+        ]
+    finally:
+        deployment.stop()
+    assert not ray.is_initialized()
