@@ -1,0 +1,154 @@
+"""A worker whose loop meets an unexpected error fails every request it holds at once (503),
+tells the API server with WorkerFailed and stops, instead of going silent until the API
+server's heartbeat timeout. Real workers in-process (their loops, ZMQ sockets, gloo), the
+test as their API server; the fault itself is injected (an engine step, a reservation or a
+receive that raises)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from splitserve.config import TransferConfig
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.request import SamplingParams
+from splitserve.kvstore.transfer import StoreAddress, start_store
+from splitserve.services import messages as msg
+from splitserve.services.workers.decode import DecodeWorker
+from splitserve.services.workers.engine_worker import EngineWorker
+from splitserve.services.workers.spec import WorkerSpec
+from tests.tiny_models import tiny_model
+from tests.worker_sockets import ApiEnd
+
+pytestmark = pytest.mark.slow
+FAIL_WITHIN_S = 1.0
+LONG = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
+_ids = itertools.count()
+
+
+class Injected(RuntimeError):
+    """The fault the test injects."""
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model(smollm2_tokenizer, tmp_path_factory.mktemp("tiny-llama"))[1]
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[StoreAddress]:
+    server, address = start_store("127.0.0.1")
+    yield address
+    del server
+
+
+def spec(role: str, model: str, store: StoreAddress | None = None) -> WorkerSpec:
+    return WorkerSpec(
+        f"{role}-{next(_ids)}",
+        role,
+        EngineConfig(model, **ENGINE),
+        threads=0,  # leave this process's torch thread count alone
+        transfer=TransferConfig(backend="gloo", timeout_s=10.0),
+        store=store,
+    )
+
+
+def prompt(seed: int) -> list[int]:
+    return [seed * 100 + i for i in range(100, 130)]
+
+
+def assert_failed_at_once(
+    api: ApiEnd, worker_id: str, held: list[str], reason: str, since_s: float
+) -> None:
+    """Each held request got a 503 naming the reason, then WorkerFailed, within a second."""
+    assert since_s < FAIL_WITHIN_S
+    failed = api.failed_workers()
+    assert failed == [msg.WorkerFailed(worker_id, reason)]
+    error = f"worker {worker_id} failed: {reason}"
+    assert {r: api.errors[r] for r in held} == {r: msg.RequestError(r, error, 503) for r in held}
+
+
+def test_an_engine_step_that_raises_fails_the_running_requests_at_once(
+    model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = EngineWorker(spec("both", model))
+    api = ApiEnd(worker.start())
+    step = worker.engine.step
+
+    def step_until_second_request() -> Any:
+        if "second" in worker.engine.requests:
+            raise Injected("the step broke")
+        return step()
+
+    worker.engine.step = step_until_second_request
+    try:
+        api.send(msg.GenerateRequest("first", prompt(1), LONG))
+        api.wait("first tokens", lambda: len(api.tokens.get("first", [])) >= 2, 30)
+        with caplog.at_level(logging.ERROR, logger="splitserve.worker"):
+            api.send(msg.GenerateRequest("second", prompt(2), LONG))
+            seconds = api.wait("WorkerFailed", api.failed_workers, 10)
+        reason = "Injected: the step broke"
+        assert_failed_at_once(api, worker.worker_id, ["first", "second"], reason, seconds)
+        assert f"worker {worker.worker_id}: its loop stopped" in caplog.text
+        assert "Injected: the step broke" in caplog.text  # the traceback is logged
+    finally:
+        api.close()
+        worker.stop()
+
+
+def test_a_reservation_that_raises_fails_reserved_and_queued_requests_at_once(
+    model: str, store: StoreAddress
+) -> None:
+    worker = DecodeWorker(spec("decode", model, store))
+    api = ApiEnd(worker.start())
+    reserve = worker.engine.handoff.reserve
+
+    def reserve_once(request_id: str, *args: Any) -> bool:
+        if request_id == "second":
+            raise Injected("no reservation")
+        return reserve(request_id, *args)
+
+    worker.engine.handoff.reserve = reserve_once
+    try:
+        api.send(msg.Reserve("first", prompt(1), LONG, "prefill-0"))
+        api.wait("Reserved", lambda: api.reserved("first"), 10)
+        api.send(msg.Reserve("second", prompt(2), LONG, "prefill-0"))
+        seconds = api.wait("WorkerFailed", api.failed_workers, 10)
+        reason = "Injected: no reservation"
+        assert_failed_at_once(api, worker.worker_id, ["second", "first"], reason, seconds)
+    finally:
+        api.close()
+        worker.stop()
+
+
+def test_a_receiver_thread_that_raises_fails_the_worker_at_once(
+    model: str, store: StoreAddress
+) -> None:
+    worker = DecodeWorker(spec("decode", model, store))
+    api = ApiEnd(worker.start())
+
+    def recv(peer: str, generation: int, out: torch.Tensor) -> None:
+        raise Injected("the receive broke")
+
+    worker.transport.recv = recv
+    try:
+        api.send(msg.Reserve("first", prompt(1), LONG, "prefill-0"))
+        api.wait("Reserved", lambda: api.reserved("first"), 10)
+        shape = [2, 2, 2, 16, 2, 16]  # the reservation's: 30 tokens in 2 blocks
+        header = msg.KvHeader("first", "prefill-0", 0, 7, None, shape, "float32")
+        push = api.ctx.socket(zmq.PUSH)
+        push.connect(worker.kv_addr)
+        push.send(msg.encode(header))
+        seconds = api.wait("WorkerFailed", api.failed_workers, 10)
+        reason = "ThreadFailed: thread recv-prefill-0: Injected: the receive broke"
+        assert_failed_at_once(api, worker.worker_id, ["first"], reason, seconds)
+    finally:
+        api.close()
+        worker.stop()

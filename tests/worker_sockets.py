@@ -1,0 +1,68 @@
+"""The API server's end of a started worker's sockets, for tests that run workers in-process
+(their loops, ZMQ sockets and gloo transports, without Ray)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from splitserve.services import messages as msg
+
+
+class ApiEnd:
+    """A PUSH socket to the worker's requests and a PULL socket on its outputs. Every message
+    read is kept in ``seen``; WorkerStats and IndexUpdate are read and kept like the others."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(info["request_addr"])
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(info["output_addr"])
+        self.seen: list[msg.Message] = []
+        self.errors: dict[str, msg.RequestError] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+
+    def send(self, message: msg.Message) -> None:
+        self.push.send(msg.encode(message))
+
+    def wait(self, what: str, done: Any, timeout_s: float) -> float:
+        """Read outputs until ``done()``; the seconds it took. AssertionError after timeout_s."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while not done():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0, f"{what}: not within {timeout_s} s (seen: {self.kinds()})"
+            if self.pull.poll(min(left_ms, 100)):
+                self._read(msg.decode(self.pull.recv()))
+        return time.monotonic() - start
+
+    def reserved(self, request_id: str) -> bool:
+        return any(isinstance(m, msg.Reserved) and m.request_id == request_id for m in self.seen)
+
+    def latest_stats(self) -> msg.WorkerStats | None:
+        stats = [m for m in self.seen if isinstance(m, msg.WorkerStats)]
+        return stats[-1] if stats else None
+
+    def failed_workers(self) -> list[msg.WorkerFailed]:
+        return [m for m in self.seen if isinstance(m, msg.WorkerFailed)]
+
+    def kinds(self) -> list[str]:
+        return sorted({type(m).__name__ for m in self.seen})
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    def _read(self, message: msg.Message) -> None:
+        self.seen.append(message)
+        if isinstance(message, msg.OutputBatch):
+            for error in message.errors:
+                self.errors[error.request_id] = error
+            for delta in message.deltas:
+                self.tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    self.finished.add(delta.request_id)
