@@ -1,12 +1,13 @@
-"""Which peer a prefill worker pulls a prompt's prefix from (router/prefix_lookup.best_peer),
-and the staged blocks the engine loads them from (services/peer_blocks.StagedBlocks)."""
+"""Which peer a prefill worker pulls a prompt's prefix from (router/prefix_lookup: best_peer,
+holds), and the staged blocks the engine loads them from (services/peer_blocks.StagedBlocks)."""
 
 from __future__ import annotations
 
 import torch
 
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
-from splitserve.router.prefix_lookup import best_peer
+from splitserve.router.policy import Candidate
+from splitserve.router.prefix_lookup import best_peer, holds
 from splitserve.services.workers.peer_blocks import StagedBlocks
 
 
@@ -47,17 +48,7 @@ def test_staged_blocks_continue_the_store_prefix_and_go_with_their_request() -> 
 
 def test_a_worker_serves_its_own_blocks_and_its_nodes_disk_tier() -> None:
     """A prefix only on another node's disk is pulled through a live worker of that node."""
-    from splitserve.services import messages as msg
-    from splitserve.services.api.client import _holds
-    from splitserve.services.api.worker_view import WorkerEndpoint, WorkerState
-
-    def worker(worker_id: str, node: str) -> WorkerState:
-        endpoint = WorkerEndpoint(worker_id, "tcp://a", "tcp://b", "prefill")
-        state = WorkerState(endpoint, None)  # type: ignore[arg-type]
-        state.last_stats = msg.WorkerStats(worker_id, 0, 0, 0, 0, 0.0, 0, 0, node_id=node)
-        return state
-
     cached = {"prefill-0": 1, "node:b:/kv": 6, "prefill-2": 4}
-    assert _holds(cached, worker("prefill-0", "node:a:/kv")) == 1
-    assert _holds(cached, worker("prefill-1", "node:b:/kv")) == 6
-    assert _holds(cached, worker("prefill-2", "")) == 4
+    assert holds(cached, Candidate("prefill-0", node_id="node:a:/kv")) == 1
+    assert holds(cached, Candidate("prefill-1", node_id="node:b:/kv")) == 6
+    assert holds(cached, Candidate("prefill-2")) == 4

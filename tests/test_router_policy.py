@@ -18,11 +18,12 @@ def request(cached: dict[str, int] | None = None) -> RequestInfo:
     return RequestInfo("r0", PROMPT, block_size=16, cached_blocks=cached or {})
 
 
-def test_cached_tokens_take_the_better_of_worker_and_node_and_leave_the_last_token() -> None:
+def test_cached_tokens_are_the_workers_own_blocks_and_leave_the_last_token() -> None:
+    """Its node's disk tier (n0) is not its own cache: any worker of the node loads it."""
     worker = Candidate("p0", node_id="n0")
-    assert request({"p0": 2, "n0": 4}).cached_tokens(worker) == 64
+    assert request({"p0": 2, "n0": 4}).cached_tokens(worker) == 32
     assert request({"p0": 7}).cached_tokens(worker) == 96
-    assert request({"n1": 5}).cached_tokens(worker) == 0
+    assert request({"n0": 5}).cached_tokens(worker) == 0
     assert RequestInfo("r", list(range(32)), 16, {"p0": 2}).cached_tokens(worker) == 16
 
 
@@ -39,7 +40,9 @@ def test_cache_aware_prefers_the_replica_holding_the_prefix() -> None:
     ]
     policy = make_policy("cache_aware")
     assert policy.choose_prefill(replicas, request()) == 0
-    assert policy.choose_prefill(replicas, request({"n1": 3})) == 1  # 98 vs 150 tokens
+    assert policy.choose_prefill(replicas, request({"p1": 3})) == 1  # 98 vs 150 tokens
+    # Its node's disk tier alone, with no live peer to pull it through, does not attract it.
+    assert policy.choose_prefill(replicas, request({"n1": 3})) == 0
 
 
 def test_cache_aware_leaves_a_saturated_replica_despite_its_cache() -> None:

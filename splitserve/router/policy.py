@@ -5,9 +5,10 @@ A policy picks an index into a list of candidates (the router drops unhealthy on
 
 - prefill: the smallest estimated time until this request's prefill would finish,
   (queued tokens + prompt tokens not cached there) / prefill rate. A worker counts as caching
-  the longest prefix that it or its node's block store holds (RequestInfo.cached_blocks,
-  from the prefix index); what it lacks but a live peer holds it would pull, at PULL_COST of
-  computing it. With no index answer (Redis away) this is load only.
+  the longest prefix its own tiers (device, host) hold (RequestInfo.cached_blocks, from the
+  prefix index); what it lacks but a live peer holds (RequestInfo.peers: the peer's own tiers
+  or its node's disk tier) it would pull, at PULL_COST of computing it. With no index answer
+  (Redis away) this is load only.
 - decode: the most free KV blocks, then the fewest running sequences.
 
 ``least_loaded`` ignores the cache and ``round_robin`` ignores everything. Ties go to the earliest
@@ -37,7 +38,9 @@ class Candidate:
     """Prompt tokens waiting for prefill there."""
     prefill_tokens_per_s: float = 1.0
     node_id: str = ""
-    """The node whose block store (host and disk tiers) the worker loads prefixes from."""
+    """The holder id of the disk tier the worker shares with its node's workers ("" without
+    one; from its WorkerStats). It decides what the worker can send to a peer (holds), not
+    what the worker itself is credited with (cached_tokens)."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +66,14 @@ class RequestInfo:
         return max(min(best, usable) * self.block_size - self.cached_tokens(worker), 0)
 
     def cached_tokens(self, worker: Candidate) -> int:
-        """Prompt tokens ``worker`` need not compute: its own or its node's longest prefix.
+        """Prompt tokens ``worker`` need not compute: the longest prefix its own tiers hold.
 
-        Capped like the engine's prefix reuse, which always computes the last prompt token.
+        Its node's disk tier is not counted: every worker of the node can load it, so it does
+        not tell the node's replicas apart, and crediting it would let the earliest replica
+        win over the one holding the prefix on its device. Capped like the engine's prefix
+        reuse, which always computes the last prompt token.
         """
         blocks = self.cached_blocks.get(worker.worker_id, 0)
-        if worker.node_id:
-            blocks = max(blocks, self.cached_blocks.get(worker.node_id, 0))
         usable = max(len(self.prompt_ids) - 1, 0) // self.block_size
         return min(blocks, usable) * self.block_size
 

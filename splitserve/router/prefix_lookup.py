@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.index import PrefixIndex
+from splitserve.router.policy import Candidate
 
 
 class PrefixLookup:
@@ -40,6 +41,13 @@ class PrefixLookup:
 
     def close(self) -> None:
         self.index.close()
+
+
+def holds(cached_blocks: Mapping[str, int], worker: Candidate) -> int:
+    """Leading blocks a worker can serve to a peer: its own tiers' (device, host) or its
+    node's disk tier's, whichever is longer."""
+    node = cached_blocks.get(worker.node_id, 0) if worker.node_id else 0
+    return max(cached_blocks.get(worker.worker_id, 0), node)
 
 
 def best_peer(

@@ -18,7 +18,7 @@ _CREATED = int(time.time())
 
 
 def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> FastAPI:
-    """An app serving ``state``; the caller starts ``state.client`` on the serving loop.
+    """An app serving ``state``; the caller starts ``state.exchange`` on the serving loop.
     With a ``scaler``, /admin/scale resizes the pools live."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -53,17 +53,17 @@ async def health(request: Request) -> Response:
 
     Pools are keyed by role: {"prefill": {"status", "replicas", "ready"}, "decode": ...}.
     """
-    client = get_state(request).client
+    workers = get_state(request).exchange.pool
     pools: dict[str, Any] = {
         role: {"status": "ok" if p["ready"] == p["replicas"] else "unavailable", **p}
-        for role, p in client.pools().items()
+        for role, p in workers.pools().items()
     }
     body = {
-        "status": "ok" if client.ready else "unavailable",
-        "workers_ready": client.num_ready,
+        "status": "ok" if workers.ready else "unavailable",
+        "workers_ready": workers.num_ready,
         "pools": pools,
     }
-    return JSONResponse(body, status_code=200 if client.ready else 503)
+    return JSONResponse(body, status_code=200 if workers.ready else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
-from splitserve.services.api.client import EngineRequestError, RequestGroup
 from splitserve.services.api.protocol import ChatCompletionRequest, ChatMessage
+from splitserve.services.api.request_group import EngineRequestError, RequestGroup
 from splitserve.services.api.vision_prompt import check_images, with_images
 from splitserve.services.messages import TokenLogprob
 

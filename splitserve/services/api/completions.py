@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
-from splitserve.services.api.client import EngineRequestError, RequestGroup
 from splitserve.services.api.errors import APIError
 from splitserve.services.api.protocol import CompletionRequest
+from splitserve.services.api.request_group import EngineRequestError, RequestGroup
 from splitserve.services.messages import TokenLogprob
 
 router = APIRouter(dependencies=[Depends(check_api_key)])

@@ -14,15 +14,12 @@ from fastapi import Request
 from splitserve.config import DeployConfig
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.config import VisionConfig
-from splitserve.services.api.client import (
-    EngineRequestError,
-    QueueFullError,
-    RequestGroup,
-    WorkerClient,
-)
+from splitserve.router.router import NoWorkerError
 from splitserve.services.api.errors import APIError, error_body
+from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.protocol import SamplingFields
+from splitserve.services.api.request_group import EngineRequestError, QueueFullError, RequestGroup
 from splitserve.services.messages import TokenDelta, TokenLogprob
 from splitserve.services.metrics import API_POOL, Metrics
 
@@ -34,7 +31,7 @@ RETRY_AFTER_S = 1
 class ServerState:
     config: DeployConfig
     tokenizer: Any
-    client: WorkerClient
+    exchange: RequestExchange
     metrics: Metrics
     max_model_len: int
     vision: VisionConfig | None = None
@@ -140,7 +137,9 @@ def submit(
             choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
             requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
     try:
-        return state.client.submit(requests, traffic, images)
+        return state.exchange.submit(requests, traffic, images)
+    except NoWorkerError as exc:
+        raise APIError(503, str(exc), "server_error", code="no_worker") from exc
     except QueueFullError as exc:
         api = state.metrics.labels(API_POOL, "api")
         state.metrics.request_failure.labels(*api, "queue_full").inc()

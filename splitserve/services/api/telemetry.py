@@ -1,6 +1,6 @@
-"""Per-request metrics and the structured request log, from what the worker client sees.
+"""Per-request metrics and the structured request log, from what the request exchange sees.
 
-The client (client.py) reports each request's tokens, its finish or its failure; this turns
+The exchange (exchange.py) reports each request's tokens, its finish or its failure; this turns
 them into the Prometheus series of services/metrics.py (labelled by the worker that did the
 work: TTFT and prefill time by the prompt's worker, the rest by the decode worker) and one
 JSON line per finished engine request on the `splitserve.requests` logger.
@@ -13,17 +13,15 @@ import logging
 import time
 
 from splitserve.services import messages as msg
-from splitserve.services.api.worker_view import Tracked, WorkerState
+from splitserve.services.api.worker_view import Tracked
 from splitserve.services.metrics import Metrics
 
 request_log = logging.getLogger("splitserve.requests")
 
 
 class RequestTelemetry:
-    def __init__(self, metrics: Metrics, workers: list[WorkerState]) -> None:
-        """workers: the client's own list (indexed by Tracked.worker / prefill), not a copy."""
+    def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.workers = workers
 
     def tokens(self, tracked: Tracked, count: int) -> bool:
         """Tokens arrived for a request; True when they are its first (its prompt is done)."""
@@ -31,8 +29,8 @@ class RequestTelemetry:
             return False
         first = not tracked.first_token
         m, now = self.metrics, time.monotonic()
-        decode = self.workers[tracked.worker]
-        key = m.labels(decode.pool, decode.endpoint.worker_id)
+        decode = tracked.worker
+        key = m.labels(decode.pool, decode.worker_id)
         m.generation_tokens.labels(*key).inc(count)
         if tracked.first_token:
             gap = (now - tracked.last_token_at) / count
@@ -41,8 +39,8 @@ class RequestTelemetry:
         else:
             tracked.first_token = True
             tracked.first_token_at = now
-            prompt = self.workers[tracked.prompt_worker]
-            prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
+            prompt = tracked.prompt_worker
+            prompt_key = m.labels(prompt.pool, prompt.worker_id)
             m.time_to_first_token.labels(*prompt_key).observe(now - tracked.start)
             m.request_prefill_time.labels(*prompt_key).observe(now - tracked.sent)
         tracked.num_tokens += count
@@ -51,10 +49,9 @@ class RequestTelemetry:
 
     def finished(self, delta: msg.TokenDelta, tracked: Tracked) -> None:
         m, now = self.metrics, time.monotonic()
-        decode = self.workers[tracked.worker]
-        key = m.labels(decode.pool, decode.endpoint.worker_id)
-        prompt = self.workers[tracked.prompt_worker]
-        prompt_key = m.labels(prompt.pool, prompt.endpoint.worker_id)
+        decode, prompt = tracked.worker, tracked.prompt_worker
+        key = m.labels(decode.pool, decode.worker_id)
+        prompt_key = m.labels(prompt.pool, prompt.worker_id)
         m.prompt_tokens.labels(*prompt_key).inc(delta.num_prompt_tokens)
         m.request_success.labels(*key, delta.finish_reason).inc()
         m.e2e_request_latency.labels(*key).observe(now - tracked.start)
@@ -66,8 +63,8 @@ class RequestTelemetry:
         self._log(delta.request_id, tracked, "ok", delta.finish_reason, delta.num_prompt_tokens)
 
     def failed(self, request_id: str, tracked: Tracked, reason: str) -> None:
-        decode = self.workers[tracked.worker]
-        key = self.metrics.labels(decode.pool, decode.endpoint.worker_id)
+        decode = tracked.worker
+        key = self.metrics.labels(decode.pool, decode.worker_id)
         self.metrics.request_failure.labels(*key, reason).inc()
         self._log(request_id, tracked, "error", reason, None)
 
@@ -81,11 +78,11 @@ class RequestTelemetry:
     ) -> None:
         """One JSON line per finished engine request on the `splitserve.requests` logger."""
         now = time.monotonic()
-        prefill = None if tracked.prefill is None else self.workers[tracked.prefill]
+        prefill = tracked.prefill
         line = {
             "request_id": request_id,
-            "prefill_worker": prefill.endpoint.worker_id if prefill else None,
-            "decode_worker": self.workers[tracked.worker].endpoint.worker_id,
+            "prefill_worker": prefill.worker_id if prefill else None,
+            "decode_worker": tracked.worker.worker_id,
             "ttft_s": round(tracked.first_token_at - tracked.start, 6)
             if tracked.first_token
             else None,

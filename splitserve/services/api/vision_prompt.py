@@ -23,7 +23,7 @@ async def check_images(state: sv.ServerState, urls: list[str]) -> list[ImageData
             param="messages",
             code="images_not_supported",
         )
-    if "vision" not in state.client.pools():
+    if "vision" not in state.exchange.pool.pools():
         raise APIError(
             400,
             "messages: this deployment has no vision pool to encode images",

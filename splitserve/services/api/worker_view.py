@@ -1,13 +1,13 @@
 """What the API server knows of each worker and of each request in flight.
 
-The worker client (client.py) keeps one WorkerState per worker (its sockets, its last load
-report, what the router has sent it since) and one Tracked per engine request (where it
-runs, how far it got); the router sees workers as the Candidates these produce.
+The worker pool (worker_pool.py) keeps one WorkerState per worker: its socket, its last load
+report and what the exchange has sent it since; the router sees workers as the Candidates
+these produce. The request exchange (exchange.py) keeps one Tracked per engine request: where
+it runs and how far it got.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,10 +17,7 @@ from splitserve.router.policy import Candidate
 from splitserve.services import messages as msg
 
 if TYPE_CHECKING:
-    from splitserve.services.api.client import RequestGroup
-
-DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
-"""A prefill worker's assumed prompt throughput until its load reports measured one."""
+    from splitserve.services.api.request_group import RequestGroup
 
 
 @dataclass(frozen=True)
@@ -32,42 +29,30 @@ class WorkerEndpoint:
     kv_addr: str = ""
 
 
-@dataclass
-class Tracked:
-    group: RequestGroup
-    index: int
-    worker: int
-    start: float
-    prefill: int | None = None
-    pending_prefill: msg.Prefill | None = None
-    first_token: bool = False
-    sent: float = 0.0
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    num_tokens: int = 0
-    prefill_tokens: int = 0
-    """The router's estimate of the prompt tokens its prompt worker must compute."""
-    vision: int | None = None
-    """The vision worker encoding its images, until its prompt is done."""
-
-    @property
-    def prompt_worker(self) -> int:
-        """The worker that computes the prompt: the prefill worker, or the only one."""
-        return self.worker if self.prefill is None else self.prefill
-
-
-@dataclass
+@dataclass(eq=False)
 class WorkerState:
+    """One worker as the API server sees it; compared by identity (one per worker)."""
+
     endpoint: WorkerEndpoint
     socket: zmq.Socket
     last_stats: msg.WorkerStats | None = None
     last_seen: float = field(default=-1e9)
     inflight: int = 0
+    """Requests sent here that wait on it: a decode worker's until they finish, a vision
+    worker's until their prompt is done."""
+    prompts: int = 0
+    """A prefill worker's requests whose first token has not come."""
     blocks_since_stats: int = 0
     draining: bool = False
     removed: bool = False
+    failed: str | None = None
+    """Why the worker's loop stopped (its WorkerFailed); None while it runs."""
     prefill_tokens: int = 0
     """Estimated prompt tokens of the requests sent here whose first token has not come."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
 
     @property
     def pool(self) -> str:
@@ -76,17 +61,23 @@ class WorkerState:
 
     @property
     def routable(self) -> bool:
-        return not (self.draining or self.removed)
+        return not (self.draining or self.removed or self.failed is not None)
+
+    @property
+    def busy(self) -> bool:
+        """Some request in flight still waits on this worker."""
+        return self.inflight > 0 or self.prompts > 0
 
     def state(self, now: float, timeout_s: float) -> str:
         if self.draining:
             return "draining"
-        if self.last_stats is None:
+        if self.last_stats is None and self.failed is None:
             return "starting"
         return "ready" if self.healthy(now, timeout_s) else "unhealthy"
 
     def healthy(self, now: float, timeout_s: float) -> bool:
-        return now - self.last_seen < timeout_s
+        """A recent heartbeat, and no report that its loop stopped."""
+        return self.failed is None and now - self.last_seen < timeout_s
 
     def candidate(self, now: float, timeout_s: float) -> Candidate:
         stats = self.last_stats
@@ -98,21 +89,40 @@ class WorkerState:
             healthy=self.healthy(now, timeout_s),
             queued_tokens=max(stats.queued_tokens if stats else 0, self.prefill_tokens),
             prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else 0.0,
+            node_id=stats.node_id if stats else "",
         )
 
 
-def with_rates(candidates: list[Candidate]) -> list[Candidate]:
-    """Every worker of a pool gets the pool's mean measured prefill rate.
+@dataclass
+class Tracked:
+    group: RequestGroup
+    index: int
+    worker: WorkerState
+    """The decode (or colocated) worker."""
+    start: float
+    prefill: WorkerState | None = None
+    pending_prefill: msg.Prefill | None = None
+    """The Prefill to send once the decode worker answers Reserved."""
+    first_token: bool = False
+    sent: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    num_tokens: int = 0
+    prefill_tokens: int = 0
+    """The router's estimate of the prompt tokens its prompt worker must compute."""
+    vision: WorkerState | None = None
+    """The vision worker encoding its images, until its prompt is done."""
+    prompt_done: bool = False
+    """Its first token came (or it ended): its prefill and vision workers are done with it."""
 
-    The replicas of a pool run on the same kind of device, so their true rates are equal;
-    what one worker measures alone depends on its recent load (a busier worker batches more
-    prompts per step and measures a higher rate), and routing on that would send it still
-    more: the busiest worker would look fastest. The mean keeps costs in seconds without that
-    loop.
+    @property
+    def prompt_worker(self) -> WorkerState:
+        """The worker that computes the prompt: the prefill worker, or the only one."""
+        return self.worker if self.prefill is None else self.prefill
 
-    NOTE: candidates carry no node_id, so a worker is credited only with the prefix its own
-    tiers (device, host) hold; a prefix on the node's shared disk tier is what any worker
-    finds there when it runs the request, not a reason to route it somewhere."""
-    measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0]
-    rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
-    return [dataclasses.replace(c, prefill_tokens_per_s=rate) for c in candidates]
+    def waits_on(self, worker: WorkerState) -> bool:
+        """Whether this request cannot finish without ``worker``: its decode worker always,
+        its prefill and vision workers until its first token."""
+        if worker is self.worker or worker is self.vision:
+            return True
+        return worker is self.prefill and not self.first_token

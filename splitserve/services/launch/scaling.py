@@ -16,7 +16,7 @@ from typing import Any
 
 from splitserve.config import DeployConfig
 from splitserve.services.api.admin import ScaleError, ScaleFailed
-from splitserve.services.api.client import WorkerClient
+from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.api.worker_view import WorkerEndpoint
 from splitserve.services.launch.deployment import Deployment, WorkerStartError
 
@@ -27,7 +27,7 @@ READY_POLL_S = 0.1
 class Scaler:
     """The admin routes' PoolScaler (services/api/admin.py) for a Ray deployment."""
 
-    def __init__(self, deployment: Deployment, client: WorkerClient) -> None:
+    def __init__(self, deployment: Deployment, client: WorkerPool) -> None:
         self.deployment = deployment
         self.client = client
         self._lock = asyncio.Lock()

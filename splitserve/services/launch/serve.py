@@ -82,8 +82,9 @@ async def _serve(deployment: Deployment) -> None:
     from splitserve.router.prefix_lookup import PrefixLookup
     from splitserve.router.router import Router
     from splitserve.services.api.app import build_app
-    from splitserve.services.api.client import WorkerClient
+    from splitserve.services.api.exchange import RequestExchange
     from splitserve.services.api.serving import ServerState
+    from splitserve.services.api.worker_pool import WorkerPool
     from splitserve.services.api.worker_view import WorkerEndpoint
     from splitserve.services.launch.scaling import Scaler
     from splitserve.services.metrics import Metrics
@@ -98,13 +99,13 @@ async def _serve(deployment: Deployment) -> None:
     decode_pool = next(n for n, p in config.pools.items() if p.role in ("decode", "both"))
     block_size = config.engine_config(decode_pool).block_size
     index = make_index(config.prefix_index.url, config.prefix_index.ttl_s)
-    client = WorkerClient(
-        endpoints,
+    pool = WorkerPool(endpoints, metrics, config.server.heartbeat_timeout_s)
+    client = RequestExchange(
+        pool,
         config.server.max_queue,
         metrics,
         router=Router(config.router.policy, config.router.policy),
         block_size=block_size,
-        heartbeat_timeout_s=config.server.heartbeat_timeout_s,
         prefix=PrefixLookup(index, block_size),
     )
     client.start()
@@ -118,7 +119,7 @@ async def _serve(deployment: Deployment) -> None:
     )
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(state, Scaler(deployment, client)),
+            build_app(state, Scaler(deployment, pool)),
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,
@@ -129,7 +130,7 @@ async def _serve(deployment: Deployment) -> None:
     )
     serving = asyncio.create_task(server.serve())
     try:
-        await _announce_when_ready(server, client, serving, config)
+        await _announce_when_ready(server, pool, serving, config)
         await serving
     finally:
         await client.close()

@@ -1,0 +1,216 @@
+"""The API server's request exchange against workers that are real ZMQ sockets in this test:
+a WorkerFailed fails at once (503) exactly the requests that wait on that worker, and the
+output reader survives messages that do not decode or whose handling raises."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.router.router import Router
+from splitserve.services import messages as msg
+from splitserve.services.api.exchange import RequestExchange
+from splitserve.services.api.request_group import EngineRequestError, RequestGroup
+from splitserve.services.api.worker_pool import WorkerPool
+from splitserve.services.api.worker_view import WorkerEndpoint
+from splitserve.services.metrics import Metrics
+
+DEADLINE_S = 5.0
+PROMPT = [1, 2, 3]
+MODEL = "tiny"
+
+
+class FakeWorker:
+    """A worker's two sockets, bound like a real worker's: requests in, output out."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, role: str) -> None:
+        self.worker_id = worker_id
+        self.requests = ctx.socket(zmq.PULL)
+        self.output = ctx.socket(zmq.PUSH)
+        for socket in (self.requests, self.output):
+            socket.setsockopt(zmq.LINGER, 0)
+        request_port = self.requests.bind_to_random_port("tcp://127.0.0.1")
+        output_port = self.output.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = WorkerEndpoint(
+            worker_id,
+            f"tcp://127.0.0.1:{request_port}",
+            f"tcp://127.0.0.1:{output_port}",
+            role,
+            f"tcp://127.0.0.1:{request_port}",
+        )
+
+    async def send(self, message: msg.Message) -> None:
+        await self.output.send(msg.encode(message))
+
+    async def heartbeat(self, free_blocks: int = 100) -> None:
+        await self.send(msg.WorkerStats(self.worker_id, 0, 0, free_blocks, 100, 0.0, 0, 0))
+
+    async def receive(self) -> msg.Message:
+        return msg.decode(await asyncio.wait_for(self.requests.recv(), DEADLINE_S))
+
+    async def received_id(self) -> str:
+        """The request id of the next GenerateRequest, Reserve or Prefill sent here."""
+        message = await self.receive()
+        assert isinstance(message, msg.GenerateRequest | msg.Reserve | msg.Prefill), message
+        return message.request_id
+
+
+def delta(
+    request_id: str, tokens: list[int], finish: str | None, prompt_tokens: int = 3
+) -> msg.OutputBatch:
+    return msg.OutputBatch(
+        [msg.TokenDelta(request_id, "", tokens, None, finish, None, prompt_tokens, 0)], []
+    )
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        await asyncio.sleep(0.01)
+
+
+async def next_item(group: RequestGroup) -> tuple[int, msg.TokenDelta]:
+    return await asyncio.wait_for(anext(group), DEADLINE_S)
+
+
+def failures(metrics: Metrics, worker: str, reason: str) -> float | None:
+    labels = {"model_name": MODEL, "pool": worker.rsplit("-", 1)[0], "worker": worker}
+    return metrics.registry.get_sample_value(
+        "splitserve:request_failure_total", {**labels, "reason": reason}
+    )
+
+
+Scenario = Callable[[RequestExchange, dict[str, FakeWorker]], Awaitable[None]]
+
+
+def run(roles: dict[str, str], scenario: Scenario) -> None:
+    """Start an exchange on these workers (id -> role), wait until every one reported in,
+    and run the scenario on the exchange's event loop."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
+        metrics = Metrics(MODEL)
+        pool = WorkerPool([w.endpoint for w in workers.values()], metrics, heartbeat_timeout_s=60)
+        exchange = RequestExchange(pool, 16, metrics, Router("cache_aware", "cache_aware"))
+        exchange.start()
+        try:
+            for worker in workers.values():
+                await worker.heartbeat()
+            await until(lambda: pool.ready)
+            await scenario(exchange, workers)
+        finally:
+            await exchange.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def submit(exchange: RequestExchange, request_id: str) -> RequestGroup:
+    return exchange.submit([(request_id, PROMPT, SamplingParams(max_tokens=4))])
+
+
+@pytest.fixture
+def api_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    with caplog.at_level(logging.ERROR, logger="splitserve.api"):
+        yield caplog
+
+
+def test_a_failed_worker_fails_its_requests_at_once_and_takes_no_new_ones() -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        first = submit(exchange, "a")  # equal loads: the earliest worker
+        assert (await w["both-0"].receive()) == msg.GenerateRequest(
+            "a", PROMPT, SamplingParams(max_tokens=4)
+        )
+        second = submit(exchange, "b")  # both-0 has one request's blocks fewer now
+        assert await w["both-1"].received_id() == "b"
+
+        await w["both-0"].send(msg.WorkerFailed("both-0", "RuntimeError: CUDA error"))
+        with pytest.raises(EngineRequestError) as failed:
+            await next_item(first)
+        assert (str(failed.value), failed.value.status) == (
+            "worker both-0 failed: RuntimeError: CUDA error",
+            503,
+        )
+        assert failures(exchange.metrics, "both-0", "worker_failed") == 1.0
+        assert exchange.pool.pools() == {"both": {"replicas": 2, "ready": 1}}
+        assert exchange.pool.worker_ids("both") == ["both-1"]
+
+        await w["both-1"].send(delta("b", [7, 8], "stop"))
+        assert await next_item(second) == (
+            0,
+            msg.TokenDelta("b", "", [7, 8], None, "stop", None, 3, 0),
+        )
+        third = submit(exchange, "c")
+        assert await w["both-1"].received_id() == "c"
+        await w["both-1"].send(delta("c", [9], "length"))
+        assert (await next_item(third))[1].token_ids == [9]
+
+    run({"both-0": "both", "both-1": "both"}, scenario)
+
+
+def test_a_failed_prefill_worker_fails_only_the_requests_still_waiting_for_their_prompt() -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        prefill, decode = w["prefill-0"], w["decode-0"]
+        waiting, streaming = submit(exchange, "a"), submit(exchange, "b")
+        for request_id in ("a", "b"):
+            assert await decode.received_id() == request_id  # Reserve
+            await decode.send(msg.Reserved(request_id))
+            assert await prefill.received_id() == request_id  # Prefill
+        await decode.send(delta("b", [5], None))
+        assert (await next_item(streaming))[1].token_ids == [5]
+
+        await prefill.send(msg.WorkerFailed("prefill-0", "worker loop stopped"))
+        with pytest.raises(EngineRequestError, match="worker prefill-0 failed: worker loop"):
+            await next_item(waiting)
+        # The decode worker is told to free the failed request's reservation.
+        assert await decode.receive() == msg.AbortRequest(["a"])
+        await decode.send(delta("b", [6], "stop"))
+        assert (await next_item(streaming))[1].token_ids == [6]
+        assert exchange.num_admitted == 0
+
+    run({"prefill-0": "prefill", "decode-0": "decode"}, scenario)
+
+
+def test_the_reader_survives_an_undecodable_message(api_log: pytest.LogCaptureFixture) -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        group = submit(exchange, "a")
+        await w["both-0"].receive()
+        await w["both-0"].output.send(b"\xc1 not msgpack")
+        await w["both-0"].send(delta("a", [4], "stop"))
+        assert (await next_item(group))[1].token_ids == [4]
+        messages = [r.getMessage() for r in api_log.records]
+        assert messages == ["dropped a worker message that does not decode"]
+
+    run({"both-0": "both"}, scenario)
+
+
+def test_a_message_whose_handling_raises_fails_its_request_and_the_reader_goes_on(
+    api_log: pytest.LogCaptureFixture,
+) -> None:
+    """A negative prompt token count decodes but makes the prompt-token counter raise."""
+
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        broken, healthy = submit(exchange, "a"), submit(exchange, "b")
+        await w["both-0"].receive()
+        await w["both-0"].receive()
+        await w["both-0"].send(delta("a", [4], "stop", prompt_tokens=-1))
+        with pytest.raises(EngineRequestError) as failed:
+            await next_item(broken)
+        assert failed.value.status == 500
+        assert str(failed.value).startswith("the API server failed handling this request's")
+        await w["both-0"].send(delta("b", [5], "stop"))
+        assert (await next_item(healthy))[1].token_ids == [5]
+        assert exchange.num_admitted == 0
+        messages = [r.getMessage() for r in api_log.records]
+        assert messages == ["handling a worker message failed (request a)"]
+
+    run({"both-0": "both"}, scenario)
