@@ -87,14 +87,27 @@ def is_random_shape(path: str) -> bool:
 
 
 class NumericTokenizer:
-    """Stands in for a tokenizer on random-weight shapes: text is the ids themselves."""
+    """Stands in for a tokenizer on random-weight shapes: text is the ids themselves, written
+    as decimal numbers separated by spaces ("5 17 300"); decoding writes " 5 17 300".
+
+    It has what the API server and the load generator ask of a Hugging Face tokenizer (its
+    length, the special ids, no chat template); there are no special tokens and no EOS, so a
+    request ends at its length limit."""
 
     eos_token_id = None
+    chat_template = None
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [int(word) % self.vocab_size for word in text.split()]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -107,6 +107,19 @@ def _shape(**fields: Any) -> ModelConfig:
 
 
 SHAPES = {
+    # Test-sized: serves end to end on a CPU in a moment (tests/test_shape_serving.py).
+    "tiny-llama": _shape(
+        max_position_embeddings=2048,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     "smollm2-135m": _shape(
         vocab_size=49152,
         hidden_size=576,

@@ -1,0 +1,79 @@
+"""A random-weight shape (`shape:tiny-llama`) served end to end by a real `splitserve serve`
+(the default 1P1D deployment): completions through the official openai client with token-id
+and numeric-text prompts, and `splitserve bench serve` with the shape's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from splitserve.engine.loader import NumericTokenizer, load_tokenizer
+from tests.server_process import REPO, ServerProcess, serve
+
+MODEL = "shape:tiny-llama"
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with serve(f"model={MODEL}") as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0)
+
+
+def test_numeric_tokenizer_has_what_the_server_and_load_generator_ask_for() -> None:
+    tokenizer = load_tokenizer(MODEL)
+    assert isinstance(tokenizer, NumericTokenizer)
+    assert len(tokenizer) == VOCAB
+    assert tokenizer.all_special_ids == []
+    assert tokenizer.chat_template is None
+    assert tokenizer.eos_token_id is None
+    assert tokenizer.encode("5 17 300", add_special_tokens=False) == [5, 17, 300]
+    assert tokenizer.decode([5, 17, 300]) == " 5 17 300"
+    assert tokenizer.encode(tokenizer.decode([0, 511, 42])) == [0, 511, 42]
+
+
+@pytest.mark.slow
+def test_shape_model_completes_token_id_and_numeric_text_prompts_alike(
+    client: openai.OpenAI,
+) -> None:
+    by_ids = client.completions.create(
+        model=MODEL, prompt=[5, 17, 300], max_tokens=6, temperature=0
+    )
+    by_text = client.completions.create(model=MODEL, prompt="5 17 300", max_tokens=6, temperature=0)
+    for out in (by_ids, by_text):
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage is not None
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 6)
+    tokens = [int(word) for word in by_ids.choices[0].text.split()]
+    assert len(tokens) == 6 and all(0 <= t < VOCAB for t in tokens)
+    assert by_ids.choices[0].text == "".join(f" {t}" for t in tokens)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+
+
+@pytest.mark.slow
+def test_bench_serve_completes_every_request_against_a_shape_model(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    result = tmp_path / "serve.json"
+    command = [sys.executable, "-m", "splitserve.cli", "bench", "serve"]
+    command += ["--base-url", server.url, "--tokenizer", MODEL, "--num-prompts", "6"]
+    command += ["--random-input-len", "16", "--random-output-len", "8", "--ignore-eos"]
+    command += ["--result-file", str(result), "--disable-tqdm"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads(result.read_text())
+    assert record["model_id"] == MODEL
+    assert (record["completed"], record["failed"]) == (6, 0)
+    assert record["total_input_tokens"] == 6 * 16
+    assert record["total_output_tokens"] == 6 * 8
