@@ -9,27 +9,42 @@ from typing import Any
 
 
 def offline_table(result: dict[str, Any]) -> list[str]:
-    ceilings = result["ceilings"]
-    lines = [
+    ceilings, reference = result["ceilings"], result.get("reference_ceilings")
+    nan = float("nan")
+    title = (
         f"Offline, {result['model_id']} on {result['device_name']} ({result['dtype']}), "
         f"commit {str(result['git_commit'])[:10]}; measured ceilings "
-        f"{ceilings['bandwidth_gb_per_s']:.1f} GB/s, {ceilings['matmul_tflops']:.3f} TFLOP/s",
+        f"{ceilings['bandwidth_gb_per_s']:.1f} GB/s, {ceilings['matmul_tflops']:.3f} TFLOP/s"
+    )
+    if reference:
+        title += (
+            f"; reference {reference['bandwidth_gb_per_s']:.0f} GB/s, "
+            f"{reference['matmul_tflops']:.0f} TFLOP/s"
+        )
+    lines = [
+        title,
         "",
-        "| batch | splitserve decode tok/s | MBU | transformers decode tok/s | speedup |",
-        "|---:|---:|---:|---:|---:|",
+        "| batch | steady steps | splitserve decode tok/s | MBU (measured / reference) "
+        "| transformers decode tok/s | speedup | compiled peer decode tok/s | speedup |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["decode"]:
-        ours, base = row["splitserve"], row.get("transformers", {})
+        ours, base, peer = row["splitserve"], row.get("transformers", {}), row.get("compiled", {})
         lines.append(
-            f"| {row['batch']} | {ours['decode_tokens_per_s']:.1f} | {ours['mbu_decode']:.1%} "
-            f"| {base.get('decode_tokens_per_s', float('nan')):.1f} "
-            f"| {row.get('speedup_decode', float('nan')):.2f}x |"
+            f"| {row['batch']} | {ours.get('decode_steps', '')} "
+            f"| {ours['decode_tokens_per_s']:.1f} "
+            f"| {ours['mbu_decode']:.1%} / {ours.get('mbu_decode_reference', nan):.1%} "
+            f"| {base.get('decode_tokens_per_s', nan):.1f} "
+            f"| {row.get('speedup_decode', nan):.2f}x "
+            f"| {peer.get('decode_tokens_per_s', nan):.1f} "
+            f"| {row.get('speedup_decode_vs_compiled', nan):.2f}x |"
         )
     if "prefill" in result:
         prefill = result["prefill"]
         lines.append(
             f"\nPrefill of {result['config']['prefill_len']} tokens: "
             f"{prefill['prefill_tokens_per_s']:.0f} tok/s, MFU {prefill['mfu_prefill']:.1%}"
+            f" (reference {prefill.get('mfu_prefill_reference', nan):.1%})"
         )
     return lines
 

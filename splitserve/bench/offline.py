@@ -1,13 +1,16 @@
 """`splitserve bench offline`: engine prefill / decode throughput with MBU and MFU, beside
-transformers `generate` on the same model and token ids, in one run, written as JSON."""
+its peers on the same model and token ids (transformers `generate`, and with ``--peer
+compiled`` a torch.compile'd static-cache decoder), in one run, written as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve.bench.roofline import Ceilings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="launch the decode kernels without programmatic dependent launch (A/B baseline)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        choices=["compiled"],
+        default=[],
+        help="also run a peer: compiled (static KV cache, torch.compile reduce-overhead)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-file", default=None)
@@ -66,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from splitserve.bench.compiled_peer import compiled_throughput, load_compiled_peer
+    from splitserve.bench.engine_run import engine_throughput
     from splitserve.bench.hf_baseline import hf_throughput, load_hf_model
     from splitserve.bench.report import header
-    from splitserve.bench.roofline import measure_ceilings
+    from splitserve.bench.roofline import measure_ceilings, reference_ceilings
     from splitserve.engine.llm import LLM
     from splitserve.engine.loader import resolve_model
     from splitserve.kernels.dispatch import set_decode_path
@@ -106,16 +118,20 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result = header(vars(args) | {"model": model})
     result["device_name"] = _device_name(runner.device)
     result["dtype"] = str(runner.dtype).removeprefix("torch.")
-    result["ceilings"] = {
-        "bandwidth_gb_per_s": ceilings.bandwidth_bytes_per_s / 1e9,
-        "matmul_tflops": ceilings.matmul_flops_per_s / 1e12,
-    }
+    result["ceilings"] = _ceilings_json(ceilings)
+    reference = reference_ceilings(result["device_name"], runner.dtype)
+    result["reference_ceilings"] = None if reference is None else _ceilings_json(reference)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = llm.engine.model_config.vocab_size
     hf = (
         None
         if args.no_baseline
         else load_hf_model(resolve_model(model), runner.device, runner.dtype)
+    )
+    compiled = (
+        load_compiled_peer(resolve_model(model), runner.device, runner.dtype, args.seed)
+        if "compiled" in args.peer
+        else None
     )
     rows = []
     for batch in batch_sizes:
@@ -125,65 +141,31 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "input_len": args.input_len,
             "output_len": args.output_len,
         }
-        row["splitserve"] = engine_throughput(llm, prompts, args.output_len, ceilings)
+        ours = engine_throughput(llm, prompts, args.output_len, ceilings, reference)
+        row["splitserve"] = ours
         if hf is not None:
             row["transformers"] = hf_throughput(hf, prompts, args.output_len, runner.device)
             row["speedup_decode"] = (
-                row["splitserve"]["decode_tokens_per_s"]
-                / row["transformers"]["decode_tokens_per_s"]
+                ours["decode_tokens_per_s"] / row["transformers"]["decode_tokens_per_s"]
+            )
+        if compiled is not None:
+            row["compiled"] = compiled_throughput(compiled, prompts, args.output_len)
+            row["speedup_decode_vs_compiled"] = (
+                ours["decode_tokens_per_s"] / row["compiled"]["decode_tokens_per_s"]
             )
         rows.append(row)
     result["decode"] = rows
     if args.prefill_len:
         prompt = torch.randint(100, vocab, (1, args.prefill_len), generator=generator).tolist()
-        result["prefill"] = engine_throughput(llm, prompt, 1, ceilings)
+        result["prefill"] = engine_throughput(llm, prompt, 1, ceilings, reference)
     return result
 
 
-def engine_throughput(
-    llm: Any, prompts: list[list[int]], output_len: int, ceilings: Any
-) -> dict[str, float]:
-    """Times the prefill phase (until every request has its first token) and the decode phase."""
-    from splitserve.bench.roofline import decode_step_bytes, prefill_flops
-    from splitserve.engine.sampling_params import SamplingParams
-
-    engine = llm.engine
-    warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    llm.generate([prompts[0][:8]], warm, use_tqdm=False)
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{index}", prompt, params)
-    start = time.perf_counter()
-    started: set[str] = set()
-    first_token_at = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            started.add(output.request_id)
-        if first_token_at is None and len(started) == len(prompts):
-            first_token_at = time.perf_counter()
-    end = time.perf_counter()
-    assert first_token_at is not None
-    cfg, element = engine.model_config, engine.runner.kv_cache.element_size()
-    batch, input_len = len(prompts), len(prompts[0])
-    prefill_s, decode_s = first_token_at - start, max(end - first_token_at, 1e-9)
-    steps = output_len - 1
-    mean_context = input_len + output_len / 2
-    stats: dict[str, float] = {
-        "prefill_s": prefill_s,
-        "prefill_tokens_per_s": batch * input_len / prefill_s,
-        "mfu_prefill": batch
-        * prefill_flops(cfg, input_len)
-        / prefill_s
-        / ceilings.matmul_flops_per_s,
+def _ceilings_json(ceilings: Ceilings) -> dict[str, float]:
+    return {
+        "bandwidth_gb_per_s": ceilings.bandwidth_bytes_per_s / 1e9,
+        "matmul_tflops": ceilings.matmul_flops_per_s / 1e12,
     }
-    if steps:
-        step_bytes = decode_step_bytes(cfg, element, batch, int(mean_context))
-        stats |= {
-            "decode_s": decode_s,
-            "decode_tokens_per_s": batch * steps / decode_s,
-            "mbu_decode": step_bytes * steps / decode_s / ceilings.bandwidth_bytes_per_s,
-        }
-    return stats
 
 
 def _device_name(device: Any) -> str:
@@ -205,20 +187,37 @@ def _result_path(args: argparse.Namespace, result: dict[str, Any]) -> Path:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [
+    nan = float("nan")
+    head = (
         f"device {result['device_name']}  dtype {result['dtype']}  "
         f"bw {result['ceilings']['bandwidth_gb_per_s']:.1f} GB/s  "
-        f"matmul {result['ceilings']['matmul_tflops']:.2f} TFLOP/s",
-        f"{'batch':>5} {'splitserve tok/s':>17} {'MBU':>6} {'transformers tok/s':>19} {'x':>6}",
+        f"matmul {result['ceilings']['matmul_tflops']:.2f} TFLOP/s"
+    )
+    reference = result.get("reference_ceilings")
+    if reference is not None:
+        head += (
+            f"  (reference {reference['bandwidth_gb_per_s']:.0f} GB/s, "
+            f"{reference['matmul_tflops']:.0f} TFLOP/s)"
+        )
+    lines = [
+        head,
+        f"{'batch':>5} {'steps':>5} {'splitserve tok/s':>17} {'MBU':>6} {'MBU ref':>7} "
+        f"{'transformers tok/s':>19} {'x':>6} {'compiled tok/s':>15} {'x':>6}",
     ]
     for row in result["decode"]:
         ours = row["splitserve"]
-        base = row.get("transformers", {}).get("decode_tokens_per_s", float("nan"))
+        base = row.get("transformers", {}).get("decode_tokens_per_s", nan)
+        compiled = row.get("compiled", {}).get("decode_tokens_per_s", nan)
         lines.append(
-            f"{row['batch']:>5} {ours['decode_tokens_per_s']:>17.1f} {ours['mbu_decode']:>6.1%} "
-            f"{base:>19.1f} {row.get('speedup_decode', float('nan')):>6.2f}"
+            f"{row['batch']:>5} {ours['decode_steps']:>5} {ours['decode_tokens_per_s']:>17.1f} "
+            f"{ours['mbu_decode']:>6.1%} {ours.get('mbu_decode_reference', nan):>7.1%} "
+            f"{base:>19.1f} {row.get('speedup_decode', nan):>6.2f} "
+            f"{compiled:>15.1f} {row.get('speedup_decode_vs_compiled', nan):>6.2f}"
         )
     if "prefill" in result:
         p = result["prefill"]
-        lines.append(f"prefill {p['prefill_tokens_per_s']:.0f} tok/s  MFU {p['mfu_prefill']:.1%}")
+        line = f"prefill {p['prefill_tokens_per_s']:.0f} tok/s  MFU {p['mfu_prefill']:.1%}"
+        if "mfu_prefill_reference" in p:
+            line += f" (reference {p['mfu_prefill_reference']:.1%})"
+        lines.append(line)
     return "\n".join(lines)

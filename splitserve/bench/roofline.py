@@ -1,7 +1,8 @@
 """Device ceilings measured in the run, and the traffic / work a model step must do.
 
 MBU = achieved bytes/s over the measured copy bandwidth; MFU = achieved FLOP/s over the
-measured matmul throughput. Both ceilings come from the same process as the result.
+measured matmul throughput. Both ceilings come from the same process as the result, and where
+the device has a reference (``reference_ceilings``) the shares are given against it too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,23 @@ from splitserve.engine.model_config import ModelConfig
 class Ceilings:
     bandwidth_bytes_per_s: float
     matmul_flops_per_s: float
+
+
+REFERENCE_CEILINGS = {
+    ("H200", torch.bfloat16): Ceilings(4.24e12, 805e12),
+}
+"""Stable ceilings per (device name part, dtype), measured once on the device machines (H200:
+4.24 TB/s copy bandwidth, 805 TFLOP/s bf16 dense matmul). The matmul ceiling measured in a run
+swings (727-798 TFLOP/s on one H200 across runs), so a share against it alone moves with the
+measurement."""
+
+
+def reference_ceilings(device_name: str, dtype: torch.dtype) -> Ceilings | None:
+    """The stable ceilings of a device (``torch.cuda.get_device_name``) in dtype, if known."""
+    for (name, reference_dtype), ceilings in REFERENCE_CEILINGS.items():
+        if name in device_name and dtype == reference_dtype:
+            return ceilings
+    return None
 
 
 def _sync(device: torch.device) -> None:
