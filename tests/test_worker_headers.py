@@ -4,7 +4,8 @@ real TensorSender: a KvHeader is received only into what was reserved for its re
 header with a dtype outside the allow-list, a shape larger than the reservation or a request
 not reserved here is refused without allocating what it claims (4 PiB here: had the worker
 tried, torch.empty would have raised and its loop stopped), a reserved request fails with a
-503 and its blocks are freed, the channel is dropped, and the next request decodes."""
+503 and its blocks are freed, the channel is dropped, and the next request decodes. The late
+KV of an aborted reservation is received into room of the reserved size, keeping the channel."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class PrefillEnd:
         self.stop = threading.Event()
         self.errors: queue.Queue[msg.RequestError] = queue.Queue()
         self.thread_failures: list[str] = []
+        self.generations: list[int] = []
+        """The channel generation of each header sent, in order."""
         transport = KVTransport("prefill-0", store, torch.device("cpu"), "gloo", TIMEOUT_S)
         self.sender = TensorSender(
             "prefill-0", transport, self.ctx, self.stop, self.errors, self.thread_failures.append
@@ -59,6 +62,7 @@ class PrefillEnd:
         """Announce ``shape`` and ``dtype`` for request_id, then send kv as it is."""
 
         def header(generation: int) -> msg.KvHeader:
+            self.generations.append(generation)
             return msg.KvHeader(request_id, "prefill-0", generation, first, None, shape, dtype)
 
         self.sender.send("decode-0", self.kv_addr, Outgoing(request_id, header, [kv], "KV"))
@@ -214,3 +218,24 @@ def test_a_header_for_a_request_not_reserved_is_refused_without_allocating_it(
     refused(cluster, reference, "never-reserved", shape, "float32")
     serve(cluster, reference, 10)
     assert "never-reserved" not in api.errors and api.failed_workers() == []
+
+
+def test_the_late_kv_of_an_aborted_reservation_is_received_and_the_channel_kept(
+    cluster: Any, reference: LLMEngine
+) -> None:
+    worker, api, prefill = cluster
+    serve(cluster, reference, 11)
+    free = free_blocks(api)
+    ids = prompt(12)
+    reserve(api, "aborted", ids)
+    api.send(msg.AbortRequest(["aborted"]))
+    api.wait("the reservation's blocks freed", lambda: free_blocks(api) == free, 5)
+    received = worker.transport.bytes_received
+    kv, first = prefilled(reference, ids)
+    prefill.send("aborted", kv, first, list(kv.shape), "float32")
+    expected = received + kv.numel() * kv.element_size()
+    api.wait("the late KV", lambda: worker.transport.bytes_received == expected, TIMEOUT_S)
+    serve(cluster, reference, 13)
+    assert prefill.generations[-3] == prefill.generations[-2] == prefill.generations[-1]
+    assert prefill.errors.empty() and "aborted" not in api.errors
+    assert api.failed_workers() == []

@@ -1,21 +1,28 @@
 """DecodeWorker: reserves blocks for prompts prefilled elsewhere, receives their KV, decodes.
 
 The loop thread owns the engine. A Reserve message reserves blocks (queued while none are
-free) and is answered with Reserved. A KvHeader from a prefill worker is checked against its
-reservation (services/workers/channels.py: the reserved KV buffer, and the embeddings of the
-prompt's images); the peer's receiver thread fills the buffers, and the loop thread adopts
-them (scatter into the reserved blocks, first token, join the running batch) and streams the
-first token like any other. A header for a request not reserved here, or that announces other
-than what was reserved, is refused: nothing is allocated for it, its channel is dropped and a
-reserved request fails. A reservation whose KV has not arrived within transfer.timeout_s, or
-whose transfer failed, is cancelled (blocks freed) and reported as a RequestError (503).
+free) and is answered with Reserved. A KvHeader from a prefill worker is checked against the
+room its reservation holds (services/workers/slots.py: the KV of the prompt's blocks, and the
+embeddings of its images); the peer's receiver thread fills the buffers, and the loop thread
+adopts them (scatter into the reserved blocks, first token, join the running batch) and
+streams the first token like any other. A reservation whose KV has not arrived within
+transfer.timeout_s, or whose transfer failed, is cancelled (blocks freed) and reported as a
+RequestError (503).
+
+A header that announces other than its reservation, or names a request never reserved here,
+is refused: nothing is allocated for it, its channel is dropped, a reserved request fails.
+The late KV of a reservation that ended without it (aborted, timed out) is still received for
+``timeout_s`` more, into scratch room of the reserved size: the prefill worker may have sent
+the header already, and dropping the channel would stall every send queued behind it.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import zmq
 
@@ -31,10 +38,14 @@ PENDING_POLL_MS = 2
 
 
 @dataclass(frozen=True)
-class _Reservation:
-    deadline: float
-    image_tokens: int
-    """The prompt's image tokens: the rows of the embeddings that follow its KV (0: none)."""
+class _Room:
+    """What a reservation holds room for: the KV of its blocks and, for an image prompt, the
+    embeddings [image tokens, hidden] that follow it. until: the KV's deadline while the
+    reservation lasts; after it ended, until when its late KV is still received."""
+
+    kv: Slot
+    embeddings: Slot | None
+    until: float
 
 
 class DecodeWorker(EngineWorker):
@@ -48,7 +59,8 @@ class DecodeWorker(EngineWorker):
         self.kv_addr = f"tcp://{self.spec.bind_host}:{port}"
         self._poller.register(self._headers, zmq.POLLIN)
         self._waiting: collections.deque[msg.Reserve] = collections.deque()
-        self._reserved: dict[str, _Reservation] = {}
+        self._reserved: dict[str, _Room] = {}
+        self._ended: dict[str, _Room] = {}
         self.receiver: TensorReceiver[msg.KvHeader] = TensorReceiver(
             self.worker_id, self.transport, self._stop, self._thread_failed, "KV"
         )
@@ -70,7 +82,7 @@ class DecodeWorker(EngineWorker):
                 r for r in self._waiting if r.request_id not in aborted
             )
             for request_id in message.request_ids:
-                self._reserved.pop(request_id, None)
+                self._end(request_id)
             self._abort(message.request_ids)
 
     def _held(self) -> list[str]:
@@ -90,9 +102,7 @@ class DecodeWorker(EngineWorker):
             except ValueError as exc:
                 self._errors.append(msg.RequestError(request.request_id, str(exc)))
             else:
-                image_tokens = sum(span.length for span in request.images)
-                deadline = time.monotonic() + self.timeout_s
-                self._reserved[request.request_id] = _Reservation(deadline, image_tokens)
+                self._reserved[request.request_id] = self._room(request)
                 self._send(msg.Reserved(request.request_id))
                 self._last_stats = 0.0
             self._waiting.popleft()
@@ -103,18 +113,39 @@ class DecodeWorker(EngineWorker):
             shapes.append(header.embeddings_shape)
         self.receiver.on_header(header, shapes, self._slots(header))
 
+    def _room(self, request: msg.Reserve) -> _Room:
+        runner = self.engine.runner
+        blocks = self.engine.block_manager.blocks_needed(len(request.prompt_token_ids))
+        image_tokens = sum(span.length for span in request.images)
+        hidden = self.engine.model_config.hidden_size
+        embeddings = Slot((image_tokens, hidden), runner.dtype) if image_tokens else None
+        until = time.monotonic() + self.timeout_s
+        return _Room(Slot(runner.kv_shape(blocks), runner.dtype), embeddings, until)
+
     def _slots(self, header: msg.KvHeader) -> list[Slot] | None:
-        """What the reservation holds room for: its KV buffer and, when the header announces
-        them, the embeddings of its images ([image tokens, hidden], the KV's dtype)."""
-        reservation = self._reserved.get(header.request_id)
-        if reservation is None:
-            return None
-        kv = self.engine.handoff.receive_buffer(header.request_id)
-        slots = [Slot.of(kv)]
-        if header.embeddings_shape is not None and reservation.image_tokens:
-            hidden = self.engine.model_config.hidden_size
-            slots.append(Slot((reservation.image_tokens, hidden), kv.dtype))
-        return slots
+        """The room for the header's tensors: a reservation's KV lands in the buffer the
+        engine gives for it; an ended reservation's in scratch room; None: refused."""
+        request_id = header.request_id
+        room = self._reserved.get(request_id)
+        if room is not None:
+            receive = partial(self.engine.handoff.receive_buffer, request_id)
+            kv = dataclasses.replace(room.kv, allocate=receive)
+        else:
+            room = self._ended.pop(request_id, None)
+            if room is None:
+                return None
+            kv = room.kv
+        announces_embeddings = header.embeddings_shape is not None
+        if announces_embeddings and room.embeddings is not None:
+            return [kv, room.embeddings]
+        return [kv]
+
+    def _end(self, request_id: str) -> None:
+        """The reservation is over without its KV; a header may still be on its way."""
+        room = self._reserved.pop(request_id, None)
+        if room is not None:
+            until = time.monotonic() + self.timeout_s
+            self._ended[request_id] = dataclasses.replace(room, until=until)
 
     def _tick(self) -> None:
         self._reserve_waiting()
@@ -145,10 +176,13 @@ class DecodeWorker(EngineWorker):
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for request_id, reservation in list(self._reserved.items()):
-            if now > reservation.deadline:
+        for request_id, room in list(self._reserved.items()):
+            if now > room.until:
+                self._end(request_id)
                 error = f"the KV of the prompt did not arrive within {self.timeout_s:g} s"
                 self._fail(request_id, error)
+        if self._ended:
+            self._ended = {r: room for r, room in self._ended.items() if now <= room.until}
 
     def _fail(self, request_id: str, error: str) -> None:
         """Free the reservation and tell the API server."""

@@ -9,7 +9,7 @@ than reserved. A claimed size is never allocated just because a header claims it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,18 +28,14 @@ class Slot:
 
     shape: the largest accepted; every dimension must equal it except ``free`` (if not None),
     which may be anything from 1 to ``shape[free]``. dtype: the one accepted (None: any of
-    ``DTYPES``). buffer: the reserved memory itself, received into as it is.
+    ``DTYPES``). allocate: where the reserved memory comes from (None: a new tensor of the
+    announced shape, on the transport's device).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype | None
     free: int | None = None
-    buffer: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, buffer: torch.Tensor) -> Slot:
-        """Exactly this buffer's shape and dtype, received into the buffer."""
-        return cls(tuple(buffer.shape), buffer.dtype, None, buffer)
+    allocate: Callable[[], torch.Tensor] | None = None
 
     def fits(self, shape: Sequence[int]) -> bool:
         if len(shape) != len(self.shape):
@@ -73,8 +69,8 @@ def accept(
         if not slot.fits(shape):
             raise Refused(f"shape {list(shape)} announced, {list(slot.shape)} reserved")
     return [
-        slot.buffer
-        if slot.buffer is not None
+        slot.allocate()
+        if slot.allocate is not None
         else torch.empty(list(shape), dtype=torch_dtype, device=device)
         for shape, slot in zip(shapes, slots)
     ]
