@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.router.router import Router
+from splitserve.router.router import NoWorkerError, Router
 from splitserve.services import messages as msg
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.request_group import EngineRequestError, RequestGroup
@@ -212,5 +212,16 @@ def test_a_message_whose_handling_raises_fails_its_request_and_the_reader_goes_o
         assert exchange.num_admitted == 0
         messages = [r.getMessage() for r in api_log.records]
         assert messages == ["handling a worker message failed (request a)"]
+
+    run({"both-0": "both"}, scenario)
+
+
+def test_a_pool_left_without_workers_refuses_new_requests() -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        await w["both-0"].send(msg.WorkerFailed("both-0", "worker loop stopped"))
+        await until(lambda: exchange.pool.worker_ids("both") == [])
+        with pytest.raises(NoWorkerError, match="no decode worker is taking requests"):
+            submit(exchange, "a")
+        assert exchange.num_admitted == 0
 
     run({"both-0": "both"}, scenario)
