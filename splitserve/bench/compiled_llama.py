@@ -124,7 +124,8 @@ class CompiledLlama(nn.Module):
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        with torch.device("cpu"):  # whatever device the model is built under
+            self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.cos = torch.empty(0)
         self.sin = torch.empty(0)
         self.batch, self.max_len = 0, 0
