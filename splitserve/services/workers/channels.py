@@ -171,9 +171,6 @@ class TensorSender:
         self._delay_s = delay_s
         self._outboxes: dict[str, queue.Queue[Outgoing]] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._outboxes)
-
     def send(self, peer: str, addr: str, outgoing: Outgoing) -> None:
         """Queue a send to ``peer``, whose header socket is at ``addr``."""
         if peer not in self._outboxes:
