@@ -14,7 +14,7 @@ import pytest
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from tests.server_process import ServerProcess, metric, serve
+from tests.support.server_process import ServerProcess, metric, serve
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, metric, serve
+from tests.support.server_process import ServerProcess, metric, serve
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.bench.compiled_peer import compiled_throughput, load_compiled_peer
-from tests.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.load import Load
-from tests.server_process import REPO, ServerProcess, serve
+from tests.support.load import Load
+from tests.support.server_process import REPO, ServerProcess, serve
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import pytest
 
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-from tests.disagg import MODEL, PROMPTS, completions, reference
-from tests.prefix_counters import chosen, counters, delta, prompt_ids, reused, system_prompt
-from tests.server_process import ServerProcess, serve, worker_metric
+from tests.support.disagg import MODEL, PROMPTS, completions, reference
+from tests.support.prefix_counters import chosen, counters, delta, prompt_ids, reused, system_prompt
+from tests.support.server_process import ServerProcess, serve, worker_metric
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import pytest
 
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-from tests.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
-from tests.server_process import ServerProcess, serve, worker_metric
+from tests.support.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
+from tests.support.server_process import ServerProcess, serve, worker_metric
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.disagg import MODEL
-from tests.server_process import ServerProcess, serve, worker_metric, worker_pids
+from tests.support.disagg import MODEL
+from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 8.0

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.reference import assert_greedy_equal, hf_greedy
-from tests.tiny_models import tiny_model
+from tests.support.reference import assert_greedy_equal, hf_greedy
+from tests.support.tiny_models import tiny_model
 
 RAW_PROMPTS = [
     "The capital of France is",

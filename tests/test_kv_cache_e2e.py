@@ -20,7 +20,7 @@ import redis
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
-from tests.prefix_counters import (
+from tests.support.prefix_counters import (
     WORKERS,
     chosen,
     counters,
@@ -29,8 +29,8 @@ from tests.prefix_counters import (
     reused,
     system_prompt,
 )
-from tests.redis_process import RedisProcess
-from tests.server_process import ServerProcess, serve
+from tests.support.redis_process import RedisProcess
+from tests.support.server_process import ServerProcess, serve
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from benchmarks.render_dashboard import dashboard_exprs, render
-from tests.load import MODEL, Load
-from tests.prometheus_process import prometheus, prometheus_binary, query
-from tests.server_process import ServerProcess, serve
+from tests.support.load import MODEL, Load
+from tests.support.prometheus_process import prometheus, prometheus_binary, query
+from tests.support.server_process import ServerProcess, serve
 
 pytestmark = [
     pytest.mark.slow,

@@ -25,8 +25,8 @@ from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
 from splitserve.services.workers.prefill import PrefillWorker
 from splitserve.services.workers.spec import WorkerSpec
-from tests.server_process import free_port
-from tests.tiny_models import tiny_model
+from tests.support.server_process import free_port
+from tests.support.tiny_models import tiny_model
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 4.0

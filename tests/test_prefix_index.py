@@ -13,7 +13,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex, make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.redis_index import RedisPrefixIndex
-from tests.redis_process import RedisProcess
+from tests.support.redis_process import RedisProcess
 
 H = block_hashes(list(range(64)), 16)  # four chained blocks
 TTL_S = 100.0

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from splitserve.engine.loader import NumericTokenizer, load_tokenizer
-from tests.server_process import REPO, ServerProcess, serve
+from tests.support.server_process import REPO, ServerProcess, serve
 
 MODEL = "shape:tiny-llama"
 VOCAB = 512

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from splitserve.engine.vision.image_inputs import decode_image
-from tests.server_process import ServerProcess, serve, worker_metric
-from tests.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
+from tests.support.server_process import ServerProcess, serve, worker_metric
+from tests.support.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8

@@ -12,7 +12,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.vision.encoder import VisionEncoder
 from splitserve.engine.vision.image_inputs import decode_image
 from splitserve.kvstore.hashing import ImageSpan, block_hashes
-from tests.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
+from tests.support.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

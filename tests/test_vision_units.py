@@ -23,7 +23,7 @@ from splitserve.services.api.images import fetch
 from splitserve.services.workers.encoder_cache import EncoderCache
 from splitserve.services.workers.spec import WorkerSpec
 from splitserve.services.workers.vision import VisionWorker
-from tests.vision import encoded, picture
+from tests.support.vision import encoded, picture
 
 
 def test_encoder_cache_evicts_least_recently_used_by_bytes() -> None:

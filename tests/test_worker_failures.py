@@ -23,8 +23,8 @@ from splitserve.services import messages as msg
 from splitserve.services.workers.decode import DecodeWorker
 from splitserve.services.workers.engine_worker import EngineWorker
 from splitserve.services.workers.spec import WorkerSpec
-from tests.tiny_models import tiny_model
-from tests.worker_sockets import ApiEnd
+from tests.support.tiny_models import tiny_model
+from tests.support.worker_sockets import ApiEnd
 
 pytestmark = pytest.mark.slow
 FAIL_WITHIN_S = 1.0

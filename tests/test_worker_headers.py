@@ -28,8 +28,8 @@ from splitserve.services import messages as msg
 from splitserve.services.workers.channels import Outgoing, TensorSender
 from splitserve.services.workers.decode import DecodeWorker
 from splitserve.services.workers.spec import WorkerSpec
-from tests.tiny_models import tiny_model
-from tests.worker_sockets import ApiEnd
+from tests.support.tiny_models import tiny_model
+from tests.support.worker_sockets import ApiEnd
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 10.0

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from splitserve import LLM, SamplingParams
-from tests.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_model
 
 
 def test_triton_backend_greedy_tokens_equal_torch_backend(

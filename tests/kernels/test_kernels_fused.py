@@ -23,7 +23,7 @@ from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
-from tests.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_model
 
 # Triton's interpreter computes bfloat16 dots on raw bits: bfloat16 runs on the GPU only
 # (benchmarks/gpu_fastpath.py checks it there).

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.server_process import free_port
+from tests.support.server_process import free_port
 
 START_TIMEOUT_S = 60.0
 
