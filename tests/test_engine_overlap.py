@@ -78,6 +78,11 @@ def test_overlapped_steps_equal_synchronous_steps(
     overlapped = _summary(_run(llm))
     assert overlapped == synchronous
     assert llm.engine.num_overlapped_steps >= 20
+    # Every step is timed by phase; overlapped steps wait for the tokens of the one before.
+    phases = llm.engine.phases.seconds
+    assert set(phases) == {"schedule", "forward", "wait", "outputs"}
+    assert all(seconds > 0 for seconds in phases.values())
+    assert llm.engine.num_steps > llm.engine.num_overlapped_steps
     assert "1" not in overlapped and "late" in overlapped
     assert {key: value[2] for key, value in overlapped.items()}["3"] == "length"
     # Every block is back once the last step in flight has been read.

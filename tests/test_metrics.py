@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.services.messages import WorkerStats
+from splitserve.services.messages import PhaseSeconds, WorkerStats
 from splitserve.services.metrics import Metrics
 
 
@@ -54,3 +54,19 @@ def test_a_forgotten_worker_has_no_gauges_and_num_workers_counts_every_state() -
         if name == "splitserve:num_workers"
     }
     assert workers == {"starting": 0, "ready": 1, "unhealthy": 0, "draining": 1}
+
+
+def test_loop_phases_become_seconds_per_phase_and_steps_counters() -> None:
+    metrics = Metrics("m")
+
+    def timed(steps: int, forward: float, send: float) -> WorkerStats:
+        phases = [PhaseSeconds("forward", forward), PhaseSeconds("send", send)]
+        return WorkerStats("prefill-0", 0, 0, 1, 1, 0.0, 0, 0, loop_phases=phases, loop_steps=steps)
+
+    first = timed(steps=10, forward=0.5, send=0.25)
+    metrics.observe_stats("prefill", first, None)
+    metrics.observe_stats("prefill", timed(steps=30, forward=1.5, send=0.5), first)
+    got = samples(metrics)
+    assert got[("splitserve:worker_loop_steps_total", labels())] == 30
+    assert got[("splitserve:worker_loop_seconds_total", labels(phase="forward"))] == 1.5
+    assert got[("splitserve:worker_loop_seconds_total", labels(phase="send"))] == 0.5

@@ -20,6 +20,7 @@ from splitserve.engine.loader import (
 )
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batch
+from splitserve.engine.phases import PhaseTimer
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput
 from splitserve.engine.sampler import Sampler, SampleResult
@@ -88,6 +89,11 @@ class LLMEngine:
         self.generation_tokens = 0
         self._inflight: InflightStep | None = None
         self.num_overlapped_steps = 0
+        self.num_steps = 0
+        self.phases = PhaseTimer()
+        """Seconds of ``step`` by phase: schedule, forward (launch; with a synchronous step
+        also the device time up to the sampled tokens), wait (for an overlapped step's tokens),
+        outputs (append, detokenize, stop checks)."""
         overlapped = self.runner.overlapped
         self._overlap_batch = overlapped.max_batch if overlapped is not None else 0
 
@@ -184,23 +190,30 @@ class LLMEngine:
         With overlapped scheduling (engine/overlap.py) a decode step is launched and the
         outputs returned are those of the step launched before it.
         """
+        phases = self.phases
+        phases.start()
         inflight, max_batch = self._inflight, self._overlap_batch
         if inflight is not None and not can_continue(self.scheduler, inflight, max_batch):
             self._inflight = None
+            phases.lap("schedule")
             return self._read(inflight)
         batch = self.scheduler.schedule()
+        phases.lap("schedule")
         if batch.is_empty:
             return []
+        self.num_steps += 1
         if max_batch and is_decode_batch(batch, max_batch):
             self._inflight = self.runner.launch_decode(batch, inflight)
             self.num_overlapped_steps += 1
             for req in batch.requests:
                 req.num_computed_tokens += 1
                 req.num_pending += 1
+            phases.lap("forward")
             return self._read(inflight) if inflight is not None else []
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)
         results = self.sampler(logits, [batch.requests[i] for i in sampled])
+        phases.lap("forward")
         self._advance(batch)
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
@@ -212,6 +225,7 @@ class LLMEngine:
                 continue
             self._append(req, result)
             outputs.append(self._output(req))
+        phases.lap("outputs")
         return outputs
 
     def _hand_over(self, req: Request, result: SampleResult) -> RequestOutput:
@@ -228,7 +242,9 @@ class LLMEngine:
     def _read(self, step: InflightStep) -> list[RequestOutput]:
         """The outputs of an overlapped step, once its tokens have reached the host."""
         outputs = []
-        for req, token in zip(step.batch.requests, step.token_ids()):
+        token_ids = step.token_ids()
+        self.phases.lap("wait")
+        for req, token in zip(step.batch.requests, token_ids):
             if req.is_finished or self.requests.get(req.request_id) is not req:
                 continue  # it finished in the step before, or was aborted: drop the token
             req.num_pending -= 1
@@ -236,6 +252,7 @@ class LLMEngine:
             outputs.append(self._output(req))
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
+        self.phases.lap("outputs")
         return outputs
 
     def _advance(self, batch: ScheduledBatch) -> None:

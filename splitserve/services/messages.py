@@ -203,6 +203,14 @@ class OutputBatch:
 
 
 @dataclass(frozen=True)
+class PhaseSeconds:
+    """Seconds a worker's loop spent in one phase since start (engine/phases.py)."""
+
+    phase: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """Worker -> API server, a few times a second: load and KV occupancy (also a heartbeat).
 
@@ -237,6 +245,11 @@ class WorkerStats:
     """A vision worker's images served from its encoder cache since start."""
     encode_seconds: list[float] = dataclasses.field(default_factory=list)
     """Durations of the encoder runs finished since the previous stats message."""
+    loop_phases: list[PhaseSeconds] = dataclasses.field(default_factory=list)
+    """Seconds of the loop by phase since start: the engine step's (schedule, forward, wait,
+    outputs) and the worker's around it (idle, receive, reserve, adopt, worker, send, stats)."""
+    loop_steps: int = 0
+    """Engine steps taken since start."""
 
 
 @dataclass(frozen=True)

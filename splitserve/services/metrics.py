@@ -117,6 +117,13 @@ class Metrics:
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Duration of one request's KV transfer", _TRANSFER_BUCKETS
         )
+        self.worker_loop_seconds = counter(
+            "worker_loop_seconds",
+            "Seconds of a worker's loop by phase (engine: schedule, forward, wait, outputs; "
+            "worker: idle, receive, reserve, adopt, handoff, worker, send, stats)",
+            ("phase",),
+        )
+        self.worker_loop_steps = counter("worker_loop_steps", "Engine steps a worker took")
         self.images_encoded = counter("images_encoded", "Images a vision worker ran its encoder on")
         self.encoder_cache_hits = counter(
             "encoder_cache_hits", "Images a vision worker took from its encoder cache"
@@ -154,6 +161,11 @@ class Metrics:
         self.prefix_cache_hits.labels(*key, "host").inc(host)
         self.prefix_cache_hits.labels(*key, "disk").inc(disk)
         self.prefix_cache_hits.labels(*key, "remote").inc(remote)
+        self.worker_loop_steps.labels(*key).inc(max(stats.loop_steps - before.loop_steps, 0))
+        earlier = {p.phase: p.seconds for p in before.loop_phases}
+        for phase in stats.loop_phases:
+            grown = max(phase.seconds - earlier.get(phase.phase, 0.0), 0.0)
+            self.worker_loop_seconds.labels(*key, phase.phase).inc(grown)
 
     def observe_vision_stats(
         self, pool: str, stats: WorkerStats, previous: WorkerStats | None

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import zmq
 
+from splitserve.engine.phases import PhaseTimer
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
 from splitserve.services.workers.spec import WorkerSpec
@@ -83,6 +84,8 @@ class Worker(ABC):
         self._async_errors: queue.Queue[msg.RequestError] = queue.Queue()
         self._thread_failures: queue.Queue[str] = queue.Queue()
         self._last_stats = 0.0
+        self.phases = PhaseTimer()
+        """The loop's time by phase (idle, receive, stats; subclasses add theirs)."""
 
     def start(self) -> dict[str, Any]:
         """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict."""
@@ -146,6 +149,7 @@ class Worker(ABC):
 
     def _loop(self) -> None:
         try:
+            self.phases.start()
             while not self._stop.is_set():
                 self._round()
         except Exception as exc:
@@ -157,6 +161,7 @@ class Worker(ABC):
         self._drain(self._poll_ms())
         self._tick()
         self._maybe_send_stats()
+        self.phases.lap("stats")
 
     def _thread_failed(self, reason: str) -> None:
         """Called by a sender or receiver thread that stopped (see channels.py)."""
@@ -176,7 +181,9 @@ class Worker(ABC):
         self._send(msg.WorkerFailed(self.worker_id, reason))
 
     def _drain(self, timeout_ms: int) -> None:
-        for socket, _ in self._poller.poll(timeout_ms):
+        ready = self._poller.poll(timeout_ms)
+        self.phases.lap("idle" if timeout_ms else "receive")
+        for socket, _ in ready:
             while True:
                 try:
                     data = socket.recv(zmq.NOBLOCK)
@@ -187,6 +194,7 @@ class Worker(ABC):
                 except ValueError:
                     continue  # not a message of ours (peers write here too): dropped
                 self._handle(message)
+        self.phases.lap("receive")
 
     def _collect_async_errors(self) -> None:
         while not self._async_errors.empty():

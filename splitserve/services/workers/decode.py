@@ -149,10 +149,12 @@ class DecodeWorker(EngineWorker):
 
     def _tick(self) -> None:
         self._reserve_waiting()
+        self.phases.lap("reserve")
         outputs = self._adopt_received()
         self._expire()
+        self.phases.lap("adopt")
         if self.engine.has_unfinished_requests():
-            outputs += self.engine.step()
+            outputs += self._step()
         self._send_outputs(outputs)
 
     def _adopt_received(self) -> list[RequestOutput]:

@@ -97,7 +97,9 @@ class EngineWorker(Worker):
         if not self.engine.has_unfinished_requests():
             return []
         computed, start = self.engine.prompt_tokens_computed, time.monotonic()
+        self.phases.lap("worker")
         outputs = self.engine.step()
+        self.phases.start()  # the engine timed its step itself (engine.phases)
         tokens = self.engine.prompt_tokens_computed - computed
         if tokens:
             rate = tokens / max(time.monotonic() - start, 1e-6)
@@ -107,6 +109,7 @@ class EngineWorker(Worker):
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         self._send_batch([d for d in (self._delta(o) for o in outputs) if d is not None])
+        self.phases.lap("send")
 
     def _delta(self, output: RequestOutput) -> msg.TokenDelta | None:
         if output.request_id not in self._sent:
@@ -155,7 +158,13 @@ class EngineWorker(Worker):
             queued_tokens=s.queued_prompt_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             node_id=self.cache.node_id if self.cache is not None else "",
+            loop_phases=self._loop_phases(),
+            loop_steps=self.engine.num_steps,
         )
+
+    def _loop_phases(self) -> list[msg.PhaseSeconds]:
+        timed = [*self.phases.seconds.items(), *self.engine.phases.seconds.items()]
+        return [msg.PhaseSeconds(phase, seconds) for phase, seconds in timed]
 
 
 def _wire_logprobs(
