@@ -73,7 +73,9 @@ class Deployment:
             ray.init(address=self.config.ray.address, logging_level=logging.WARNING)
         else:
             needed = math.ceil(sum(p.num_cpus * p.replicas for p in self.config.pools.values()))
+            # "local": always a new instance, never a cluster that `ray start` left running here.
             ray.init(
+                address="local",
                 num_cpus=self.config.ray.num_cpus or max(os.cpu_count() or 1, needed),
                 resources=local_label_totals(self.config.pools),
                 include_dashboard=False,
