@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.request import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from tests.support.server_process import ServerProcess, metric, serve
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -201,6 +201,14 @@ def test_32_concurrent_streams_each_get_their_text(server: ServerProcess, smollm
     assert asyncio.run(run_all()) == refs
 
 
+def free_blocks(server: ServerProcess) -> float:
+    return metric(server.url, "splitserve:kv_cache_free_blocks")
+
+
+def admitted(server: ServerProcess) -> float:
+    return metric(server.url, "splitserve:num_requests_admitted")
+
+
 def test_disconnect_mid_stream_frees_kv_blocks(server: ServerProcess) -> None:
     total = metric(server.url, "splitserve:kv_cache_total_blocks")
     body = {
@@ -219,8 +227,8 @@ def test_disconnect_mid_stream_frees_kv_blocks(server: ServerProcess) -> None:
         lines = response.iter_lines()
         for _ in range(10):
             next(lines)
-        wait_for(lambda: metric(server.url, "splitserve:kv_cache_free_blocks") < total)
-    wait_for(lambda: metric(server.url, "splitserve:kv_cache_free_blocks") == total)
+        wait_for(lambda: free_blocks(server) < total, 20, message="the stream's KV blocks in use")
+    wait_for(lambda: free_blocks(server) == total, 20, message="every KV block free again")
     assert metric(server.url, "splitserve:num_requests_running") == 0
     assert metric(server.url, "splitserve:num_requests_admitted") == 0
 
@@ -229,9 +237,9 @@ def test_disconnect_during_non_streamed_request_aborts_it(server: ServerProcess)
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.api}/completions", json=body, timeout=2.0)
-    wait_for(lambda: metric(server.url, "splitserve:num_requests_admitted") == 0)
+    wait_for(lambda: admitted(server) == 0, 20, message="the aborted request no longer admitted")
     total = metric(server.url, "splitserve:kv_cache_total_blocks")
-    wait_for(lambda: metric(server.url, "splitserve:kv_cache_free_blocks") == total)
+    wait_for(lambda: free_blocks(server) == total, 20, message="every KV block free again")
 
 
 def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -248,10 +256,3 @@ def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI)
     for name in ("num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds"):
         assert f"splitserve:{name}" in text
     assert metric(server.url, "splitserve:generation_tokens_total") > 0
-
-
-def wait_for(condition: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +12,7 @@ import openai
 import pytest
 
 from tests.support.server_process import ServerProcess, metric, serve
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -193,8 +193,9 @@ def test_full_admission_queue_is_503_with_retry_after(
         assert info.value.status_code == 503
         assert info.value.response.headers["Retry-After"] == "1"
         assert error_of(info.value)["code"] == "queue_full"
-    deadline = time.monotonic() + 20
-    while metric(server.url, "splitserve:num_requests_admitted") > 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(
+        lambda: metric(server.url, "splitserve:num_requests_admitted") == 0,
+        20,
+        message="the two closed streams no longer admitted",
+    )
     assert_still_serving(client)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -21,6 +20,7 @@ from splitserve.services.api.request_group import EngineRequestError, RequestGro
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.api.worker_view import WorkerEndpoint
 from splitserve.services.metrics import Metrics
+from tests.support.wait import wait_for_async
 
 DEADLINE_S = 5.0
 PROMPT = [1, 2, 3]
@@ -70,13 +70,6 @@ def delta(
     )
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.01)
-
-
 async def next_item(group: RequestGroup) -> tuple[int, msg.TokenDelta]:
     return await asyncio.wait_for(anext(group), DEADLINE_S)
 
@@ -105,7 +98,7 @@ def run(roles: dict[str, str], scenario: Scenario) -> None:
         try:
             for worker in workers.values():
                 await worker.heartbeat()
-            await until(lambda: pool.ready)
+            await wait_for_async(lambda: pool.ready, DEADLINE_S, message="every worker reported in")
             await scenario(exchange, workers)
         finally:
             await exchange.close()
@@ -219,7 +212,11 @@ def test_a_message_whose_handling_raises_fails_its_request_and_the_reader_goes_o
 def test_a_pool_left_without_workers_refuses_new_requests() -> None:
     async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
         await w["both-0"].send(msg.WorkerFailed("both-0", "worker loop stopped"))
-        await until(lambda: exchange.pool.worker_ids("both") == [])
+        await wait_for_async(
+            lambda: exchange.pool.worker_ids("both") == [],
+            DEADLINE_S,
+            message="the failed worker out of the pool",
+        )
         with pytest.raises(NoWorkerError, match="no decode worker is taking requests"):
             submit(exchange, "a")
         assert exchange.num_admitted == 0

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS = 5
@@ -79,10 +80,7 @@ def stub() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
+    wait_for(lambda: server.started, 10, interval=0.02, message="the stub server started")
     yield f"http://127.0.0.1:{port}", bodies
     server.should_exit = True
     thread.join(timeout=5)

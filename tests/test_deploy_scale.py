@@ -40,20 +40,20 @@ def test_scale_prefill_and_decode_up_and_down_under_load_loses_no_request() -> N
         assert "no pool or role named 'vision'" in bad.json()["error"]["message"]
         zero = httpx.post(f"{server.url}/admin/scale", json={"replicas": {"decode": 0}})
         assert zero.status_code == 400
-        load.wait_for(8)
+        load.wait_finished(8)
         out = scale(server, "--prefill", "2", "--decode", "2")
         assert out == (
             'prefill (prefill): 2 ["prefill-0", "prefill-1"]\n'
             'decode (decode): 2 ["decode-0", "decode-1"]\n'
         )
-        load.wait_for(24)
+        load.wait_finished(24)
         served = {(e["prefill_worker"], e["decode_worker"]) for e in request_log(server)}
         assert {p for p, _ in served} == {"prefill-0", "prefill-1"}
         assert {d for _, d in served} == {"decode-0", "decode-1"}
         out = scale(server, "--prefill", "1", "--decode", "1")
         assert pools(server) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
         before = len(load.finished)
-        load.wait_for(8)
+        load.wait_finished(8)
         late = request_log(server)[-4:]
         assert {(e["prefill_worker"], e["decode_worker"]) for e in late} == {
             ("prefill-0", "decode-0")

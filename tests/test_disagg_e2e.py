@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
+from functools import partial
 
 import openai
 import pytest
@@ -13,6 +13,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 from tests.support.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
 from tests.support.server_process import ServerProcess, serve, worker_metric
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +68,17 @@ def test_kv_bytes_of_one_request_are_layers_x_2_x_block_tokens_x_heads_x_dim_x_d
     expected = kv_bytes(smollm2_llm, num_tokens)
     assert expected % (30 * 2 * 16 * 3 * 64 * 4) == 0  # SmolLM2: 30 layers, 3 kv heads, fp32
     for worker, start in before.items():
-        deadline = time.monotonic() + 10
-        while worker_metric(server.url, BYTES, worker) == start and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(
+            partial(bytes_reported, server.url, worker, start),
+            10,
+            message=f"{worker}'s stats counting the request's KV bytes",
+        )
         assert worker_metric(server.url, BYTES, worker) - start == expected
 
 
 BYTES = "splitserve:kv_transfer_bytes_total"
+
+
+def bytes_reported(url: str, worker: str, start: float) -> bool:
+    """The worker's KV bytes on /metrics have moved from ``start``."""
+    return worker_metric(url, BYTES, worker) != start

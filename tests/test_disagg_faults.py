@@ -7,13 +7,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.support.disagg import MODEL
 from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 8.0
@@ -51,13 +52,6 @@ def streamed_events(url: str) -> list[dict[str, object]]:
     return events
 
 
-def wait_for(condition: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def test_killing_the_prefill_worker_fails_its_requests_and_frees_reserved_blocks(
     server: ServerProcess,
 ) -> None:
@@ -76,7 +70,11 @@ def test_killing_the_prefill_worker_fails_its_requests_and_frees_reserved_blocks
     ]
     for thread in threads:
         thread.start()
-    wait_for(lambda: worker_metric(server.url, FREE, "decode-0") < free_before, 20)
+    wait_for(
+        lambda: worker_metric(server.url, FREE, "decode-0") < free_before,
+        20,
+        message="the decode worker's blocks reserved for both requests",
+    )
     time.sleep(SEND_DELAY_S / 2)
     os.kill(worker_pids(server)["prefill-0"], signal.SIGKILL)
     killed = time.monotonic()
@@ -91,8 +89,16 @@ def test_killing_the_prefill_worker_fails_its_requests_and_frees_reserved_blocks
     assert isinstance(streamed, list)
     assert "error" in streamed[-2] and streamed[-1] == {"done": True}
 
-    wait_for(lambda: worker_metric(server.url, FREE, "decode-0") == free_before, 10)
-    wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, HEARTBEAT_S + 5)
+    wait_for(
+        lambda: worker_metric(server.url, FREE, "decode-0") == free_before,
+        10,
+        message="the decode worker's reserved blocks free again",
+    )
+    wait_for(
+        lambda: httpx.get(f"{server.url}/health").status_code == 503,
+        HEARTBEAT_S + 5,
+        message="/health 503 once the killed worker's heartbeat is overdue",
+    )
     pools = httpx.get(f"{server.url}/health").json()["pools"]
     assert pools["prefill"] == {"status": "unavailable", "replicas": 1, "ready": 0}
     assert pools["decode"] == {"status": "ok", "replicas": 1, "ready": 1}

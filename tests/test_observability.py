@@ -17,6 +17,7 @@ from benchmarks.render_dashboard import dashboard_exprs, render
 from tests.support.load import MODEL, Load
 from tests.support.prometheus_process import prometheus, prometheus_binary, query
 from tests.support.server_process import ServerProcess, serve
+from tests.support.wait import wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -37,21 +38,9 @@ def abort_one_stream(server: ServerProcess) -> None:
                 break
 
 
-def wait_for_series(url: str, expr: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not query(url, expr) and time.monotonic() < deadline:
-        time.sleep(0.5)
-
-
-def empty_panels(url: str, timeout: float) -> list[str]:
-    """The dashboard queries still without data once all have it or the timeout is over
-    (scrapes come every second, and a rate needs two of them)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        empty = [f"{title}: {expr}" for title, expr, _ in dashboard_exprs() if not query(url, expr)]
-        if not empty or time.monotonic() > deadline:
-            return empty
-        time.sleep(1.0)
+def empty_panels(url: str) -> list[str]:
+    """The dashboard queries that return no data now."""
+    return [f"{title}: {expr}" for title, expr, _ in dashboard_exprs() if not query(url, expr)]
 
 
 def scale(server: ServerProcess, prefill: int, decode: int) -> None:
@@ -63,7 +52,7 @@ def scale(server: ServerProcess, prefill: int, decode: int) -> None:
 def run_load(server: ServerProcess) -> None:
     if PNG is None:
         with Load(server.url, concurrency=4, max_tokens=16) as load:
-            load.wait_for(12)
+            load.wait_finished(12)
         assert load.failures == []
         return
     for concurrency, seconds, after in ((2, 40, (2, 2)), (8, 60, (1, 1)), (4, 40, None)):
@@ -82,10 +71,16 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus() -> None:
         # see traffic, however fast the main load went.
         with Load(server.url, concurrency=1, max_tokens=8) as background:
             abort_one_stream(server)
-            wait_for_series(prom, 'splitserve:request_failure_total{reason="abort"}')
-            empty = empty_panels(prom, timeout=60.0)
+            aborts = 'splitserve:request_failure_total{reason="abort"}'
+            wait_for(lambda: query(prom, aborts), 30, interval=0.5, message=f"a series {aborts}")
+            # Scrapes come every second, and a rate needs two of them.
+            wait_for(
+                lambda: not empty_panels(prom),
+                60,
+                interval=1.0,
+                message=lambda: f"data in every dashboard panel; without: {empty_panels(prom)}",
+            )
         assert background.failures == []
-        assert empty == []
         pools = {s["metric"]["pool"] for s in query(prom, "splitserve:num_workers")}
         assert pools == {"prefill", "decode"}
         ttft = query(prom, "splitserve:time_to_first_token_seconds_count")

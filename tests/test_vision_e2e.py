@@ -20,6 +20,7 @@ import torch
 from splitserve.engine.vision.image_inputs import decode_image
 from tests.support.server_process import ServerProcess, serve, worker_metric
 from tests.support.vision import data_url, encoded, hf_messages, image_chat, picture, tiny_vlm
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -86,11 +87,16 @@ def _metric_total(server: ServerProcess, name: str) -> float:
     return sum(worker_metric(server.url, name, w) for w in VISION)
 
 
-def _wait_for(server: ServerProcess, name: str, at_least: float) -> float:
-    """The metric's total once the workers' stats show at least ``at_least`` (or 10 s)."""
-    deadline = time.monotonic() + 10
-    while _metric_total(server, name) < at_least and time.monotonic() < deadline:
-        time.sleep(0.1)
+def _total_reaching(server: ServerProcess, name: str, at_least: float) -> float:
+    """The metric's total once the workers' stats show at least ``at_least``."""
+    wait_for(
+        lambda: _metric_total(server, name) >= at_least,
+        10,
+        interval=0.1,
+        message=lambda: (
+            f"{name} of {VISION} reaching {at_least:g} (now {_metric_total(server, name):g})"
+        ),
+    )
     return _metric_total(server, name)
 
 
@@ -139,7 +145,7 @@ def test_concurrent_image_requests_use_both_vision_workers(
         return list(await asyncio.gather(*(one(s) for s in range(6))))
 
     assert all(asyncio.run(run_all()))
-    _wait_for(server, ENCODED, sum(before.values()) + 6)
+    _total_reaching(server, ENCODED, sum(before.values()) + 6)
     gained = {w: worker_metric(server.url, ENCODED, w) - before[w] for w in VISION}
     assert sum(gained.values()) == 6
     assert min(gained.values()) >= 1, gained
@@ -152,9 +158,9 @@ def test_repeated_image_is_encoded_once_and_then_hits_the_encoder_cache(
     encoded_before = sum(_settled(server, ENCODED).values())
     hits_before = _metric_total(server, HITS)
     first = _chat(client, vlm_path, messages)
-    assert _wait_for(server, ENCODED, encoded_before + 1) == encoded_before + 1
+    assert _total_reaching(server, ENCODED, encoded_before + 1) == encoded_before + 1
     assert _chat(client, vlm_path, messages) == first
-    assert _wait_for(server, HITS, hits_before + 1) == hits_before + 1
+    assert _total_reaching(server, HITS, hits_before + 1) == hits_before + 1
     assert _metric_total(server, ENCODED) == encoded_before + 1
 
 
@@ -211,6 +217,6 @@ def test_scale_vision_pool_down_drains_and_images_still_work(
     assert 'vision (vision): 1 ["vision-0"]' in out
     before = _settled(server, ENCODED)
     assert _chat(client, vlm_path, image_chat(data_url(encoded(picture(400)))))
-    assert _wait_for(server, ENCODED, sum(before.values()) + 1) == sum(before.values()) + 1
+    assert _total_reaching(server, ENCODED, sum(before.values()) + 1) == sum(before.values()) + 1
     assert worker_metric(server.url, ENCODED, "vision-0") == before["vision-0"] + 1
     assert httpx.get(f"{server.url}/health").json()["pools"]["vision"]["replicas"] == 1

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any
 
 import httpx
+
+from tests.support.wait import wait_for
 
 MODEL = "smollm2-135m-instruct"
 SHARED_PREFIX = "You are a careful assistant who answers in one short line. " * 3
@@ -66,9 +67,15 @@ class Load:
             raise RuntimeError(f"stream ended with finish_reason {reason}")
         return reason
 
-    def wait_for(self, count: int, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_finished(self, count: int, timeout: float = 120.0) -> None:
+        """Until ``count`` more streams have finished than now."""
         target = len(self.finished) + count
-        while len(self.finished) < target and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(self.finished) >= target, "the load stalled"
+        wait_for(
+            lambda: len(self.finished) >= target,
+            timeout,
+            interval=0.1,
+            message=lambda: (
+                f"{target} finished streams, the load stalled at "
+                f"{len(self.finished)} (failures: {self.failures[-3:]})"
+            ),
+        )

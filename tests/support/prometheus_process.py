@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import httpx
 
 from tests.support.server_process import free_port
+from tests.support.wait import wait_for
 
 START_TIMEOUT_S = 60.0
 
@@ -62,14 +62,17 @@ def query(url: str, expr: str) -> list[dict[str, Any]]:
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if process.poll() is not None:
             raise RuntimeError("prometheus exited:\n" + log.read_text()[-3000:])
         try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("prometheus not ready:\n" + log.read_text()[-3000:])
+            return False
+
+    wait_for(
+        ready,
+        START_TIMEOUT_S,
+        interval=0.2,
+        message=lambda: f"prometheus ready at {url}:\n" + log.read_text()[-3000:],
+    )

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from tests.support.server_process import free_port
+from tests.support.wait import wait_for
+
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisProcess:
@@ -43,15 +38,12 @@ class RedisProcess:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        wait_for(
+            lambda: _answers(client),
+            START_TIMEOUT_S,
+            interval=0.02,
+            message=f"redis-server on port {self.port} answering PING",
+        )
         client.close()
 
     def stop(self) -> None:
@@ -59,3 +51,10 @@ class RedisProcess:
             self.process.terminate()
             self.process.wait(timeout=10)
             self.process = None
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False

@@ -8,13 +8,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
@@ -85,13 +86,14 @@ def serve(*overrides: str, config: str | None = None) -> Iterator[ServerProcess]
 def _start_ready(
     overrides: tuple[str, ...], config: str | None = None, attempts: int = 3
 ) -> ServerProcess:
-    """Start the server on a free port; a port taken between probe and bind is retried."""
+    """Start the server on a free port; a port taken between probe and bind is retried. A
+    server that is not ready in time is stopped, not left running after the test."""
     for attempt in range(attempts):
         server = _start(free_port(), overrides, config)
         try:
             _wait_ready(server)
             return server
-        except RuntimeError:
+        except BaseException:
             _stop(server.process)
             taken = any("address already in use" in line for line in server.lines)
             if not taken or attempt == attempts - 1:
@@ -134,16 +136,21 @@ def _drain(server: ServerProcess, timeout: float = 30.0) -> None:
 
 
 def _wait_ready(server: ServerProcess) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
     expected = f"splitserve ready: {server.url} (model "
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if server.process.poll() is not None:
             raise RuntimeError("server exited:\n" + "".join(server.lines[-30:]))
-        ready = any(line.startswith(expected) for line in server.lines)
-        if ready and httpx.get(f"{server.url}/health").status_code == 200:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("server not ready:\n" + "".join(server.lines[-30:]))
+        if not any(line.startswith(expected) for line in server.lines):
+            return False
+        return httpx.get(f"{server.url}/health").status_code == 200
+
+    wait_for(
+        ready,
+        START_TIMEOUT_S,
+        interval=0.2,
+        message=lambda: f"{server.url} ready:\n" + "".join(server.lines[-30:]),
+    )
 
 
 def _stop(process: subprocess.Popen[str]) -> None:

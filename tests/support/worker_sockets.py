@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from splitserve.services import messages as msg
+from tests.support.wait import wait_for
 
 
 class ApiEnd:
-    """A PUSH socket to the worker's requests and a PULL socket on its outputs. Every message
-    read is kept in ``seen``; WorkerStats and IndexUpdate are read and kept like the others."""
+    """A PUSH socket to the worker's requests and a PULL socket on its outputs, connected once
+    the worker's first stats arrive. Every message read is kept in ``seen``; WorkerStats and
+    IndexUpdate are read and kept like the others."""
 
     def __init__(self, info: dict[str, Any]) -> None:
         self.ctx = zmq.Context()
@@ -26,20 +28,27 @@ class ApiEnd:
         self.errors: dict[str, msg.RequestError] = {}
         self.tokens: dict[str, list[int]] = {}
         self.finished: set[str] = set()
+        # The worker drops what it sends before this end is connected (a Reserved, say):
+        # its stats, sent a few times a second, show that the connection is up.
+        self.wait("the worker's first stats", self.latest_stats, 10)
 
     def send(self, message: msg.Message) -> None:
         self.push.send(msg.encode(message))
 
-    def wait(self, what: str, done: Any, timeout_s: float) -> float:
+    def wait(self, what: str, done: Callable[[], object], timeout_s: float) -> float:
         """Read outputs until ``done()``; the seconds it took. AssertionError after timeout_s."""
-        start = time.monotonic()
-        deadline = start + timeout_s
-        while not done():
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            assert left_ms > 0, f"{what}: not within {timeout_s} s (seen: {self.kinds()})"
-            if self.pull.poll(min(left_ms, 100)):
+
+        def read_then_check() -> bool:
+            while self.pull.poll(0):
                 self._read(msg.decode(self.pull.recv()))
-        return time.monotonic() - start
+            return bool(done())
+
+        return wait_for(
+            read_then_check,
+            timeout_s,
+            interval=0.01,
+            message=lambda: f"{what} (seen: {self.kinds()})",
+        )
 
     def reserved(self, request_id: str) -> bool:
         return any(isinstance(m, msg.Reserved) and m.request_id == request_id for m in self.seen)
