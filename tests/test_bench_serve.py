@@ -40,7 +40,7 @@ def _stub_app(bodies: list[dict[str, Any]]) -> FastAPI:
         if chat:  # a role-only first event, as OpenAI sends: not a token
             yield _event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
         for i in range(TOKENS):
-            await asyncio.sleep(DELAY_S)
+            await asyncio.sleep(DELAY_S)  # the pacing the harness's TTFT and ITL must measure
             choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
             yield _event({"choices": [choice]})
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": TOKENS}

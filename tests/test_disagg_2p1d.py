@@ -11,13 +11,18 @@ from typing import Any
 import openai
 import pytest
 
+from splitserve.config import PrefixIndexConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 from tests.support.disagg import MODEL, PROMPTS, completions, reference
 from tests.support.prefix_counters import chosen, counters, delta, prompt_ids, reused, system_prompt
 from tests.support.server_process import ServerProcess, serve, worker_metric
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
+INDEX_PUBLISH_S = PrefixIndexConfig().publish_interval_s + 0.3
+"""From a response until the prefill worker's index update with the prompt's blocks has
+reached the API server (one publish interval, and a margin for the worker's loop)."""
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +48,11 @@ def test_round_robin_sent_kv_from_both_prefill_workers(server: ServerProcess) ->
 BYTES = "splitserve:kv_transfer_bytes_total"
 
 
+def queried(url: str, before: dict[tuple[str, str], float]) -> float:
+    """Prompt tokens the prefill workers' stats have looked up since ``before``."""
+    return sum(d["queries"] for d in delta(before, counters(url)).values())
+
+
 def test_turn_2_on_the_other_replica_pulls_turn_1_prefix_from_it_over_the_transport(
     server: ServerProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
 ) -> None:
@@ -56,9 +66,17 @@ def test_turn_2_on_the_other_replica_pulls_turn_1_prefix_from_it_over_the_transp
         response = client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=8, temperature=0
         )
-        time.sleep(0.8)  # a stats report and an index publish
+        indexed_by = time.monotonic() + INDEX_PUBLISH_S
+        prompt_tokens = len(prompt_ids(smollm2_tokenizer, messages))
+        wait_for(
+            lambda: queried(server.url, before) >= prompt_tokens,
+            10,
+            message=f"the prefill workers' stats counting the turn's {prompt_tokens} tokens",
+        )
         expected = smollm2_llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
         assert response.choices[0].message.content == expected
+        # Nothing outside the API server shows its in-memory index: wait out the publish.
+        time.sleep(max(0.0, indexed_by - time.monotonic()))
         return expected, delta(before, counters(server.url))
 
     turn1 = [

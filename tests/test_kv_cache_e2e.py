@@ -8,7 +8,6 @@ prefix_cache_hits{tier} (prompt tokens served from device, host or disk).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,12 @@ from tests.support.prefix_counters import (
     system_prompt,
 )
 from tests.support.redis_process import RedisProcess
-from tests.support.server_process import ServerProcess, serve
+from tests.support.server_process import ServerProcess, metric, serve
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 8
-STATS_WAIT_S = 0.8
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +70,39 @@ def chat(url: str, messages: list[dict[str, str]], headers: dict[str, str] | Non
     return str(response.json()["choices"][0]["message"]["content"])
 
 
-def measured(url: str, messages: list[dict[str, str]], **kwargs: Any) -> tuple[str, dict]:
+def measured(url: str, messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, dict]:
     before = counters(url)
-    text = chat(url, messages, **kwargs)
-    time.sleep(STATS_WAIT_S)
-    return text, delta(before, counters(url))
+    text = chat(url, messages)
+    return text, settled_delta(url, before, len(prompt_ids(tokenizer, messages)))
+
+
+def settled_delta(url: str, before: dict[tuple[str, str], float], prompt_tokens: int) -> dict:
+    """The counters' increments since ``before``, once the prefill workers' stats (sent every
+    0.2 s) count ``prompt_tokens`` more prompt tokens looked up."""
+
+    def queried() -> float:
+        return sum(d["queries"] for d in delta(before, counters(url)).values())
+
+    wait_for(
+        lambda: queried() >= prompt_tokens,
+        10,
+        message=lambda: f"{prompt_tokens} prompt tokens in the stats (now {queried():g})",
+    )
+    return delta(before, counters(url))
+
+
+def wait_indexed(redis_url: str, ids: list[int], holder: str) -> None:
+    """Until the Redis prefix index lists ``holder`` with every full block of ``ids`` on its
+    device (the prefill workers publish every 0.2 s here): what cache-aware routing reads."""
+    client = redis.Redis.from_url(redis_url)
+    keys = [f"splitserve:kv:b:{h:016x}" for h in block_hashes(ids, 16)]
+    field = f"{holder}@device"
+    wait_for(
+        lambda: all(client.hexists(key, field) for key in keys),
+        10,
+        message=f"{len(keys)} blocks indexed for {field}",
+    )
+    client.close()
 
 
 def reference(llm: LLM, messages: list[dict[str, str]]) -> str:
@@ -93,21 +120,23 @@ def test_unknown_traffic_class_is_400(server: ServerProcess) -> None:
 
 
 def test_turn_2_goes_to_turn_1_replica_and_computes_only_new_tokens(
-    server: ServerProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
+    server: ServerProcess, redis_server: RedisProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
 ) -> None:
     turn1 = [
         {"role": "system", "content": system_prompt("gardens", 12)},
         {"role": "user", "content": "Name a flower."},
     ]
-    answer, d1 = measured(server.url, turn1)
+    answer, d1 = measured(server.url, turn1, smollm2_tokenizer)
     assert answer == reference(smollm2_llm, turn1)
     holder = chosen(d1)
+    ids1 = prompt_ids(smollm2_tokenizer, turn1)
+    wait_indexed(redis_server.url, ids1, holder)
     turn2 = [*turn1, {"role": "assistant", "content": answer}]
     turn2.append({"role": "user", "content": "And a tree?"})
-    answer2, d2 = measured(server.url, turn2)
+    answer2, d2 = measured(server.url, turn2, smollm2_tokenizer)
     assert answer2 == reference(smollm2_llm, turn2)
     assert chosen(d2) == holder
-    ids1, ids2 = prompt_ids(smollm2_tokenizer, turn1), prompt_ids(smollm2_tokenizer, turn2)
+    ids2 = prompt_ids(smollm2_tokenizer, turn2)
     cached = reused(ids1, ids2)
     assert cached >= 160
     assert d2[holder]["device"] == cached
@@ -115,16 +144,17 @@ def test_turn_2_goes_to_turn_1_replica_and_computes_only_new_tokens(
 
 
 def test_saturated_holder_sends_turn_2_to_other_replica_which_loads_prefix_from_disk(
-    server: ServerProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
+    server: ServerProcess, redis_server: RedisProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
 ) -> None:
     turn1 = [
         {"role": "system", "content": system_prompt("rivers", 40)},
         {"role": "user", "content": "Name a river."},
     ]
-    answer, d1 = measured(server.url, turn1)
+    answer, d1 = measured(server.url, turn1, smollm2_tokenizer)
     holder = chosen(d1)
     other = next(w for w in WORKERS if w != holder)
     ids1 = prompt_ids(smollm2_tokenizer, turn1)
+    wait_indexed(redis_server.url, ids1, holder)
     # Saturate the holder: one request that shares its prefix and adds twice as many new
     # tokens. Cache-aware routing sends it there (cheaper than computing everything on the
     # other replica), and while it runs the holder's queue exceeds turn 2's whole prompt.
@@ -133,14 +163,17 @@ def test_saturated_holder_sends_turn_2_to_other_replica_which_loads_prefix_from_
     before = counters(server.url)
     thread = threading.Thread(target=chat, args=(server.url, burst))
     thread.start()
-    time.sleep(0.3)
+    wait_for(
+        lambda: metric(server.url, "splitserve:num_requests_admitted") >= 1,
+        10,
+        message="the burst admitted, so routed and counted in the holder's queue",
+    )
     turn2 = [*turn1, {"role": "assistant", "content": answer}]
     turn2.append({"role": "user", "content": "And a lake?"})
     answer2 = chat(server.url, turn2)
     thread.join()
-    time.sleep(STATS_WAIT_S)
-    d = delta(before, counters(server.url))
     ids2 = prompt_ids(smollm2_tokenizer, turn2)
+    d = settled_delta(server.url, before, len(prompt_ids(smollm2_tokenizer, burst)) + len(ids2))
     cached = reused(ids1, ids2)
     assert answer2 == reference(smollm2_llm, turn2)
     assert d[holder]["queries"] == len(prompt_ids(smollm2_tokenizer, burst))
@@ -157,12 +190,16 @@ def test_block_past_its_retention_is_gone(
     hashes = block_hashes(prompt_ids(smollm2_tokenizer, messages), 16)
     files = [disk / f"{h:016x}"[:2] / f"{h:016x}.kv" for h in hashes]
     assert all(f.exists() for f in files)
-    time.sleep(3.5)
-    assert not any(f.exists() for f in files)
+    wait_for(
+        lambda: not any(f.exists() for f in files),
+        3.5,
+        interval=0.1,
+        message="the agent blocks' files deleted after their 2 s retention",
+    )
 
 
 def test_redis_outage_fails_no_request_and_restart_restores_cache_aware_routing(
-    server: ServerProcess, redis_server: RedisProcess, smollm2_llm: LLM
+    server: ServerProcess, redis_server: RedisProcess, smollm2_llm: LLM, smollm2_tokenizer: Any
 ) -> None:
     turn1 = [
         {"role": "system", "content": system_prompt("mountains", 12)},
@@ -177,14 +214,18 @@ def test_redis_outage_fails_no_request_and_restart_restores_cache_aware_routing(
     finally:
         redis_server.start()
     client = redis.Redis.from_url(redis_server.url)
-    deadline = time.monotonic() + 15
-    while not client.keys("splitserve:kv:b:*") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2.0)
-    fields = {f.decode() for key in client.keys("splitserve:kv:b:*") for f in client.hgetall(key)}
-    assert {f"{w}@device" for w in WORKERS} <= fields
+
+    def fields() -> set[str]:
+        return {f.decode() for key in client.keys("splitserve:kv:b:*") for f in client.hgetall(key)}
+
+    wait_for(
+        lambda: {f"{w}@device" for w in WORKERS} <= fields(),
+        17,
+        interval=0.2,
+        message=lambda: f"both prefill workers' blocks rebuilt in Redis (fields: {fields()})",
+    )
     turn2 = [*turn1, {"role": "assistant", "content": answer}]
     turn2.append({"role": "user", "content": "And a valley?"})
-    answer2, d = measured(server.url, turn2)
+    answer2, d = measured(server.url, turn2, smollm2_tokenizer)
     assert answer2 == reference(smollm2_llm, turn2)
     assert d[chosen(d)]["device"] > 0

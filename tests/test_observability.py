@@ -57,7 +57,7 @@ def run_load(server: ServerProcess) -> None:
         return
     for concurrency, seconds, after in ((2, 40, (2, 2)), (8, 60, (1, 1)), (4, 40, None)):
         with Load(server.url, concurrency=concurrency, max_tokens=24) as load:
-            time.sleep(seconds)
+            time.sleep(seconds)  # how long the dashboard shows this phase of the load
             if after is not None:
                 scale(server, *after)
         assert load.failures == []

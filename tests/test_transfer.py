@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError, start_store
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20.0
@@ -27,7 +29,7 @@ def _sender(store: StoreAddress, generation: int, count: int, results: Any) -> N
         transport.send("d", generation, _tensor(index, shape))
     results.put(transport.bytes_sent)
     if count < len(SHAPES):
-        time.sleep(60)
+        time.sleep(60)  # alive, holding the channel, until the test kills this process
 
 
 def _spawn(store: StoreAddress, generation: int, count: int, results: Any) -> Any:
@@ -143,11 +145,17 @@ def test_a_channel_waiting_for_its_partner_does_not_hold_up_another_channel(
     partner = ctx.Process(target=_recv_then_send, args=(store, results), daemon=True)
     partner.start()
     transport = KVTransport("a", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    keys = dist.TCPStore(store.host, store.port, is_master=False)
     back = torch.empty(4)
     receiving = threading.Thread(target=transport.recv, args=("bb", 7, back))
     start = time.monotonic()
     receiving.start()
-    time.sleep(1.0)  # the receiving channel is now waiting for "bb"
+    wait_for(
+        lambda: any(key.startswith("kv/bb->a/7/") for key in keys.list_keys()),
+        TIMEOUT_S / 4,
+        interval=0.01,
+        message='"a" in the rendezvous store, waiting on the channel from "bb"',
+    )
     transport.send("bb", 7, torch.full((4,), 3.0))
     receiving.join(timeout=TIMEOUT_S * 2)
     assert results.get(timeout=TIMEOUT_S) == [3.0] * 4

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,10 +38,19 @@ def vlm_path(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -
     return tiny_vlm(tmp_path_factory.mktemp("vlm"), smollm2_tokenizer)
 
 
+class ImagesSent:
+    """Images of the requests the server answered, counted by the tests that sent them. Each
+    is either encoded or taken from an encoder cache, so the vision workers' stats (sent every
+    0.2 s) have caught up once encoded plus cache hits reach this count."""
+
+    count = 0
+
+
 @pytest.fixture(scope="module")
 def server(vlm_path: str) -> Iterator[ServerProcess]:
     overrides = (f"model={vlm_path}", "pools.vision.replicas=2", *LIMITS)
     with serve(*overrides, config="configs/vision-tiny.yaml") as process:
+        ImagesSent.count = 0
         yield process
 
 
@@ -58,6 +66,12 @@ def _chat(client: openai.OpenAI, model: str, messages: list[dict[str, Any]]) -> 
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_body={"ignore_eos": True},
+    )
+    ImagesSent.count += sum(
+        part["type"] == "image_url"
+        for m in messages
+        for part in m["content"]
+        if isinstance(part, dict)
     )
     return reply.choices[0].message.content or ""
 
@@ -78,8 +92,19 @@ def _hf_text(path: str, messages: list[dict[str, Any]], images: list[Any]) -> st
 
 
 def _settled(server: ServerProcess, name: str) -> dict[str, float]:
-    """Per vision worker, once the stats of earlier requests have arrived (sent every 0.2 s)."""
-    time.sleep(0.5)
+    """Per vision worker, once their stats count every image sent before."""
+
+    def counted() -> float:
+        return _metric_total(server, ENCODED) + _metric_total(server, HITS)
+
+    wait_for(
+        lambda: counted() >= ImagesSent.count,
+        10,
+        message=lambda: (
+            f"{ImagesSent.count} images sent counted by the vision workers' "
+            f"stats (encoded + cache hits: {counted():g})"
+        ),
+    )
     return {w: worker_metric(server.url, name, w) for w in VISION}
 
 
@@ -139,6 +164,7 @@ def test_concurrent_image_requests_use_both_vision_workers(
             max_tokens=4,
             temperature=0,
         )
+        ImagesSent.count += 1
         return reply.choices[0].message.content or ""
 
     async def run_all() -> list[str]:
