@@ -1,9 +1,10 @@
-"""Shared fixtures: the real SmolLM2 model, its tokenizer and the transformers reference."""
+"""Shared fixtures: the real SmolLM2 model, its tokenizer and the transformers reference, and
+one default `splitserve serve` deployment for the modules that only send it requests."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_tokenizer, resolve_model
+from tests.support.server_process import ServerProcess, serve
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -55,3 +57,12 @@ def hf_smollm2(smollm2_path: str) -> Any:
         dtype=torch.float32,
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[ServerProcess]:
+    """The default deployment (one prefill and one decode worker), started once for every
+    module that only sends it requests and waits until they are done. A module that scales
+    it, kills its workers or needs other settings starts its own with ``serve``."""
+    with serve() as server:
+        yield server

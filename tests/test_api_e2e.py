@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from tests.support.server_process import ServerProcess, metric, serve
+from tests.support.server_process import ServerProcess, metric
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
@@ -30,9 +29,9 @@ CHATS: list[list[dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with serve() as process:
-        yield process
+def server(default_server: ServerProcess) -> ServerProcess:
+    """The default deployment, shared with the other modules that only send it requests."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from functools import partial
 
 import openai
@@ -12,16 +11,16 @@ import pytest
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 from tests.support.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
-from tests.support.server_process import ServerProcess, serve, worker_metric
+from tests.support.server_process import ServerProcess, worker_metric
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with serve() as process:
-        yield process
+def server(default_server: ServerProcess) -> ServerProcess:
+    """The default deployment, shared with the other modules that only send it requests."""
+    return default_server
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])

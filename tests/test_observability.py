@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -63,8 +64,18 @@ def run_load(server: ServerProcess) -> None:
         assert load.failures == []
 
 
-def test_every_dashboard_query_returns_data_from_a_real_prometheus() -> None:
-    with serve() as server, prometheus(server.url.removeprefix("http://")) as prom:
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """The shared default deployment; the longer PNG run scales it, so it starts its own."""
+    if PNG is None:
+        yield request.getfixturevalue("default_server")
+        return
+    with serve() as process:
+        yield process
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(server: ServerProcess) -> None:
+    with prometheus(server.url.removeprefix("http://")) as prom:
         start = time.time()
         run_load(server)
         # A light load goes on while the panels are read: their rate() windows (30 s) must
