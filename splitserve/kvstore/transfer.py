@@ -7,13 +7,22 @@ channel is simply replaced by the next generation. The sender is rank 0, the rec
 
 Backends: ``nccl`` for CUDA tensors, ``gloo`` for CPU tensors, ``hccl`` for Ascend NPUs through
 torch_npu (written to its documented API, untested here), ``auto`` picks by device.
+
+Streams (CUDA): ``send`` and ``recv`` run on the calling thread's current stream, and NCCL queues
+each one behind the work already on that stream. A thread that moves tensors for a worker's loop
+therefore makes a ``TransferStream`` of its own current, so that a transfer never waits for the
+compute the loop queued on its stream: the loop's tensors reach it through ``stream_mark``, and
+the tensors it receives go back through ``use_on_current_stream``. Gloo on CPU has no streams,
+and the NPU path has no side stream yet (its transfers run on the caller's current stream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +59,54 @@ class TransferError(RuntimeError):
     """A channel failed or timed out; the caller drops it and frees what it reserved."""
 
 
+class TransferStream:
+    """A CUDA stream of one transfer thread's own; off CUDA every method does nothing.
+
+    On the loop thread's stream, a receive would start only after the decode step queued there
+    (and its sender would wait for it), a send only after the prefill queued there."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Within the block, the calling thread's transfers and allocations use this stream."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def wait(self, ready: torch.cuda.Event | None) -> None:
+        """Queue what follows after the work that ``ready`` (``stream_mark``) marks."""
+        if self.stream is not None and ready is not None:
+            self.stream.wait_event(ready)
+
+    def synchronize(self) -> None:
+        """Block until its work is done: what it received is then complete for every stream."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def stream_mark(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on the calling thread's current stream (CUDA;
+    None elsewhere): a transfer stream that waits for it sees the tensors that work wrote."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def use_on_current_stream(tensor: torch.Tensor) -> None:
+    """A tensor allocated on a transfer stream is used on the calling thread's current stream
+    from now on. The caching allocator gives a freed block back to the stream it was allocated
+    on at once, so without this the transfer stream's next receive could reuse the memory while
+    this stream's work still reads it."""
+    if tensor.device.type == "cuda":
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
 @dataclass
 class _Channel:
     """One (sender, receiver, generation) group, created once by whichever thread asks first."""
@@ -82,15 +139,19 @@ class KVTransport:
         self.bytes_received = 0
 
     def send(self, peer: str, generation: int, tensor: torch.Tensor) -> None:
-        """Send a contiguous tensor to peer (blocks until the peer has received it)."""
+        """Send a contiguous tensor to peer (blocks until the peer has received it), after the
+        work on the current stream (CUDA)."""
         group = self._group(self.worker_id, peer, generation, SENDER)
         self._wait(group.send([self._staged(tensor)], RECEIVER, 0), peer)
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def recv(self, peer: str, generation: int, out: torch.Tensor) -> None:
-        """Receive into ``out`` (same shape and dtype as what the peer sends)."""
+        """Receive into ``out`` (same shape and dtype as what the peer sends), after the work
+        on the current stream (CUDA). On return the transfer is done; a device tensor staged
+        through host memory (Gloo) may still be copying on the current stream."""
         group = self._group(peer, self.worker_id, generation, RECEIVER)
-        buffer = self._staged(out)
+        staged = self.backend == "gloo" and out.device.type != "cpu"
+        buffer = torch.empty(out.shape, dtype=out.dtype) if staged else out
         self._wait(group.recv([buffer], SENDER, 0), peer)
         if buffer is not out:
             out.copy_(buffer)

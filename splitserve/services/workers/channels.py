@@ -5,11 +5,19 @@ socket, then the tensors it announces on the KV transport (kvstore/transfer.py),
   generation. A send that fails drops the channel and bumps the generation, so the next
   header opens a fresh process group; the request is reported failed when its send says so.
 - ``TensorReceiver``: one thread per sending peer runs the transport's recv in header order
-  (the order the sender used) and queues the results for the worker's loop thread.
+  (the order the sender used) and queues the results for the worker's loop thread, which
+  takes them between its steps (``collect``), each header's tensors only once all arrived.
   Every header passes the one check (services/workers/slots.py: ``accept``) against the room
   its receiving worker reserved for it. A refused header allocates nothing; its channel
   generation is dropped in order (the sender still sends, so the channel would be out of
   step), which makes the sender's send fail.
+
+On CUDA each of these threads sends or receives on a stream of its own (kvstore/transfer.py:
+``TransferStream``), so a transfer is never queued behind the loop thread's compute: a send
+waits only for the work that wrote its tensors (an event recorded when the loop queued it), and
+a receive for nothing. Receive buffers are allocated on the receiving thread's stream; the
+thread waits (on the host, off the loop thread) for the transfer to complete before it hands
+them over, and ``collect`` marks them used on the loop thread's stream from then on.
 
 Users: prefill -> decode (KvHeader: the prompt's KV, then image embeddings), vision -> prefill
 (EmbeddingsHeader), prefill -> prefill (PeerBlocks, services/workers/peer_blocks.py).
@@ -28,7 +36,13 @@ from typing import Generic, TypeVar
 import torch
 import zmq
 
-from splitserve.kvstore.transfer import KVTransport, TransferError
+from splitserve.kvstore.transfer import (
+    KVTransport,
+    TransferError,
+    TransferStream,
+    stream_mark,
+    use_on_current_stream,
+)
 from splitserve.services import messages as msg
 from splitserve.services.workers.slots import Refused, Slot, accept
 
@@ -56,6 +70,14 @@ class _Pending(Generic[H]):
     refusal: str | None
 
 
+@dataclass(frozen=True)
+class _Peer(Generic[H]):
+    """A sending peer's receiver thread: its headers in order, and its stream."""
+
+    inbox: queue.Queue[_Pending[H]]
+    stream: TransferStream
+
+
 class TensorReceiver(Generic[H]):
     """The receiving end of one kind of header. ``what`` names the tensors in errors;
     ``failed`` is told when a receiver thread stops on an unexpected error."""
@@ -73,7 +95,7 @@ class TensorReceiver(Generic[H]):
         self.what = what
         self._stop = stop
         self._failed = failed
-        self._peers: dict[str, queue.Queue[_Pending[H]]] = {}
+        self._peers: dict[str, _Peer[H]] = {}
         self._results: queue.Queue[Received[H]] = queue.Queue()
 
     def on_header(
@@ -81,39 +103,43 @@ class TensorReceiver(Generic[H]):
     ) -> None:
         """Check the header against the slots reserved for it and queue its receive, or its
         refusal (loop thread); either way its result comes out of ``collect``."""
+        peer = self._peer(header.sender)
         try:
-            pending = _Pending(
-                header, accept(header.dtype, shapes, slots, self.transport.device), None
-            )
+            with peer.stream.current():
+                buffers = accept(header.dtype, shapes, slots, self.transport.device)
+            pending = _Pending(header, buffers, None)
         except Refused as exc:
             refusal = f"{self.what} for {header.request_id} from {header.sender} refused: {exc}"
             pending = _Pending(header, [], refusal)
-        self._peer_queue(header.sender).put(pending)
+        peer.inbox.put(pending)
 
     def collect(self) -> list[Received[H]]:
-        """Everything received (or failed) since the last call (loop thread)."""
+        """Everything received (or failed) since the last call (loop thread), complete."""
         results = []
         while not self._results.empty():
-            results.append(self._results.get_nowait())
+            result = self._results.get_nowait()
+            for tensor in result.tensors:
+                use_on_current_stream(tensor)
+            results.append(result)
         return results
 
-    def _peer_queue(self, peer: str) -> queue.Queue[_Pending[H]]:
+    def _peer(self, peer: str) -> _Peer[H]:
         if peer not in self._peers:
-            self._peers[peer] = queue.Queue()
+            self._peers[peer] = _Peer(queue.Queue(), TransferStream(self.transport.device))
             body = _guarded(self._receive_loop, self._stop, self._failed, peer)
             threading.Thread(target=body, name=f"recv-{peer}", daemon=True).start()
         return self._peers[peer]
 
     def _receive_loop(self, peer: str) -> None:
-        inbox = self._peers[peer]
+        channel = self._peers[peer]
         while not self._stop.is_set():
             try:
-                pending = inbox.get(timeout=QUEUE_POLL_S)
+                pending = channel.inbox.get(timeout=QUEUE_POLL_S)
             except queue.Empty:
                 continue
-            self._results.put(self._receive(peer, pending))
+            self._results.put(self._receive(peer, pending, channel.stream))
 
-    def _receive(self, peer: str, pending: _Pending[H]) -> Received[H]:
+    def _receive(self, peer: str, pending: _Pending[H], stream: TransferStream) -> Received[H]:
         header = pending.header
         if pending.refusal is not None:
             # The sender sends anyway: with nothing received, this generation is out of step.
@@ -121,8 +147,10 @@ class TensorReceiver(Generic[H]):
             return Received(header, [], pending.refusal)
         start = time.monotonic()
         try:
-            for buffer in pending.buffers:
-                self.transport.recv(peer, header.generation, buffer)
+            with stream.current():
+                for buffer in pending.buffers:
+                    self.transport.recv(peer, header.generation, buffer)
+            stream.synchronize()
         except TransferError as exc:
             self.transport.drop(peer, self.worker_id, header.generation)
             return Received(header, [], f"{self.what} from {peer} did not arrive: {exc}")
@@ -141,6 +169,13 @@ class Outgoing:
     header: Callable[[int], msg.Message]
     tensors: list[torch.Tensor]
     what: str | None
+
+
+@dataclass(frozen=True)
+class _Queued:
+    outgoing: Outgoing
+    ready: torch.cuda.Event | None
+    """After the work that wrote the tensors, on the loop thread's stream (CUDA)."""
 
 
 class TensorSender:
@@ -169,28 +204,36 @@ class TensorSender:
         self._failed = failed
         self._timed = timed
         self._delay_s = delay_s
-        self._outboxes: dict[str, queue.Queue[Outgoing]] = {}
+        self._outboxes: dict[str, queue.Queue[_Queued]] = {}
 
     def send(self, peer: str, addr: str, outgoing: Outgoing) -> None:
-        """Queue a send to ``peer``, whose header socket is at ``addr``."""
+        """Queue a send to ``peer``, whose header socket is at ``addr``, of tensors that the
+        work queued so far on this thread's stream wrote (the send waits for it, not the loop)."""
         if peer not in self._outboxes:
             self._outboxes[peer] = queue.Queue()
             body = _guarded(self._send_loop, self._stop, self._failed, peer, addr)
             threading.Thread(target=body, name=f"send-{peer}", daemon=True).start()
-        self._outboxes[peer].put(outgoing)
+        self._outboxes[peer].put(_Queued(outgoing, stream_mark(self.transport.device)))
 
     def _send_loop(self, peer: str, addr: str) -> None:
         outbox = self._outboxes[peer]
+        stream = TransferStream(self.transport.device)
         socket = push_socket(self._ctx, addr)
         generation = 0
         try:
             while not self._stop.is_set():
                 try:
-                    outgoing = outbox.get(timeout=QUEUE_POLL_S)
+                    queued = outbox.get(timeout=QUEUE_POLL_S)
                 except queue.Empty:
                     continue
+                outgoing = queued.outgoing
                 socket.send(msg.encode(outgoing.header(generation)))
-                if outgoing.tensors and not self._send_tensors(peer, generation, outgoing):
+                if not outgoing.tensors:
+                    continue
+                stream.wait(queued.ready)
+                with stream.current():
+                    sent = self._send_tensors(peer, generation, outgoing)
+                if not sent:
                     generation += 1
         finally:
             socket.close(linger=0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-import torch
 import zmq
 
 from splitserve.engine.kv_handoff import Prefilled
@@ -132,8 +131,6 @@ class PrefillWorker(EngineWorker):
         """Another prefill worker's FetchBlocks: the leading blocks held here, or none."""
         store = self.staged.store if self.staged is not None else None
         kv = gather_prefix(self.engine, store, message.block_hashes)
-        if kv is not None:
-            _wait_for_device(kv)
         header = peer_header(message.request_id, self.worker_id, kv)
         outgoing = Outgoing(message.request_id, header, [] if kv is None else [kv], None)
         self.sender.send(message.requester, message.reply_addr, outgoing)
@@ -173,7 +170,6 @@ class PrefillWorker(EngineWorker):
                 prefilled = self.engine.handoff.pop_prefilled(output.request_id)
                 route = self._routes.pop(output.request_id, None)
                 if route is not None:
-                    _wait_for_device(prefilled.kv)
                     self.sender.send(route.decode_worker, route.kv_addr, self._handoff(prefilled))
         self._send_outputs([])
 
@@ -201,9 +197,3 @@ class PrefillWorker(EngineWorker):
             dtype=str(kv.dtype).removeprefix("torch."),
             embeddings_shape=None if embeddings is None else list(embeddings.shape),
         )
-
-
-def _wait_for_device(kv: torch.Tensor) -> None:
-    """The gather ran on this thread's stream; the sender thread's send must see its result."""
-    if kv.device.type == "cuda":
-        torch.cuda.current_stream(kv.device).synchronize()
