@@ -12,7 +12,7 @@ class EngineConfig:
     model: a path to a GGUF file, a Hugging Face directory, or an alias such as
     ``smollm2-135m-instruct``. num_kv_blocks=None sizes the KV pool from kv_cache_bytes
     (CPU) or from gpu_memory_utilization (CUDA). cuda_graph_max_batch: decode steps up to this
-    batch size replay CUDA graphs (0 disables; ignored on CPU).
+    batch size (and up to max_num_seqs) replay CUDA graphs (0 disables; ignored on CPU).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -27,7 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
-    cuda_graph_max_batch: int = 64
+    cuda_graph_max_batch: int = 512
     overlap_scheduling: bool | None = None
     """Prepare decode step N+1 while the device runs step N (engine/overlap.py); None: on
     CUDA only, where the host's work can hide behind the device's."""

@@ -15,6 +15,7 @@ from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
+from splitserve.engine.warm_up import decode_width, warm_up
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +43,9 @@ class ModelRunner:
         self.model = self._build_model(weights_path)
         self.num_blocks = self._allocate_kv_cache()
         self.scratch_block = self.num_blocks
+        self.warm_up_seconds = 0.0
+        if self.device.type == "cuda":
+            self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(
@@ -159,10 +163,13 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_rows.append(row + num_new - 1)
                 sampled.append(i)
+        width = max((len(t) for t in decode_tables), default=0)
+        if self.device.type == "cuda" and decode_tables:
+            width = decode_width(width, self.max_blocks_per_seq)  # few kernel variants
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_lens),
-            decode_block_tables=self._tensor(_pad(decode_tables)),
+            decode_block_tables=self._tensor(_pad(decode_tables, width)),
             decode_context_lens=self._tensor(decode_lens),
             prefills=prefills,
         )
@@ -180,6 +187,5 @@ def _has_images(batch: ScheduledBatch) -> bool:
     )
 
 
-def _pad(tables: list[list[int]]) -> list[list[int]]:
-    width = max((len(t) for t in tables), default=0)
+def _pad(tables: list[list[int]], width: int) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]

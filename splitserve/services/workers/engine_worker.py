@@ -49,6 +49,9 @@ class EngineWorker(Worker):
             self.engine = LLMEngine(spec.engine)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        warm_up = self.engine.runner.warm_up_seconds
+        if warm_up:
+            print(f"worker {self.worker_id}: kernels warmed up in {warm_up:.1f} s", flush=True)
 
     def stop(self) -> None:
         super().stop()

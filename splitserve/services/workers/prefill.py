@@ -171,6 +171,7 @@ class PrefillWorker(EngineWorker):
                 route = self._routes.pop(output.request_id, None)
                 if route is not None:
                     self.sender.send(route.decode_worker, route.kv_addr, self._handoff(prefilled))
+        self.phases.lap("handoff")
         self._send_outputs([])
 
     def _transfer_bytes(self) -> int:
