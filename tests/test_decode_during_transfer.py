@@ -14,25 +14,19 @@ engine's tokens, and the running request's tokens equal the colocated engine's t
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
-import zmq
 
-from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import SamplingParams
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
-from splitserve.services.workers.channels import Outgoing, TensorSender
 from splitserve.services.workers.decode import DecodeWorker
-from splitserve.services.workers.spec import WorkerSpec
+from tests.support.decode_worker import PrefillEnd, colocated, decode_cluster, prefilled, prompt
+from tests.support.decode_worker import reserve as reserve_on
 from tests.support.tiny_models import tiny_model
 from tests.support.worker_sockets import ApiEnd
 
@@ -46,40 +40,6 @@ MAX_LEN = 8192
 RUNNING = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 100, ignore_eos=True)
 LATE = SamplingParams(temperature=0.0, max_tokens=8)
 ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": MAX_LEN}
-_ids = itertools.count()
-
-
-class PrefillEnd:
-    """The test as prefill worker "prefill-0": each KvHeader at once, its KV ``DELAY_S``
-    later, through a real TensorSender."""
-
-    def __init__(self, store: StoreAddress, kv_addr: str) -> None:
-        self.ctx = zmq.Context()
-        self.stop = threading.Event()
-        self.errors: queue.Queue[msg.RequestError] = queue.Queue()
-        self.thread_failures: list[str] = []
-        transport = KVTransport("prefill-0", store, torch.device("cpu"), "gloo", TIMEOUT_S)
-        self.sender = TensorSender(
-            "prefill-0",
-            transport,
-            self.ctx,
-            self.stop,
-            self.errors,
-            self.thread_failures.append,
-            delay_s=DELAY_S,
-        )
-        self.kv_addr = kv_addr
-
-    def send(self, request_id: str, kv: torch.Tensor, first: int) -> None:
-        def header(generation: int) -> msg.KvHeader:
-            shape = list(kv.shape)
-            return msg.KvHeader(request_id, "prefill-0", generation, first, None, shape, "float32")
-
-        self.sender.send("decode-0", self.kv_addr, Outgoing(request_id, header, [kv], "KV"))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")
@@ -96,53 +56,12 @@ def reference(model: str) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def cluster(model: str) -> Iterator[tuple[DecodeWorker, ApiEnd, PrefillEnd]]:
-    server, address = start_store("127.0.0.1")
-    spec = WorkerSpec(
-        "decode-0",
-        "decode",
-        EngineConfig(model, **ENGINE),
-        threads=0,  # leave this process's torch thread count alone
-        transfer=TransferConfig(backend="gloo", timeout_s=TIMEOUT_S),
-        store=address,
-    )
-    worker = DecodeWorker(spec)
-    info = worker.start()
-    api, prefill = ApiEnd(info), PrefillEnd(address, info["kv_addr"])
-    yield worker, api, prefill
-    prefill.close()
-    api.close()
-    worker.stop()
-    del server
-
-
-def prompt(seed: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 5000 + 100 for i in range(40)]
-
-
-def prefilled(
-    engine: LLMEngine, ids: list[int], params: SamplingParams
-) -> tuple[torch.Tensor, int]:
-    request_id = f"ref-{next(_ids)}"
-    engine.add_request(request_id, ids, params, prefill_only=True)
-    while engine.has_unfinished_requests():
-        engine.step()
-    done = engine.handoff.pop_prefilled(request_id)
-    return done.kv.clone(), done.first_token
-
-
-def colocated(engine: LLMEngine, ids: list[int], params: SamplingParams) -> list[int]:
-    request_id = f"ref-{next(_ids)}"
-    engine.add_request(request_id, ids, params)
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            tokens = list(output.outputs[0].token_ids)
-    return tokens
+    with decode_cluster(model, ENGINE, TIMEOUT_S, DELAY_S) as started:
+        yield started
 
 
 def reserve(api: ApiEnd, request_id: str, ids: list[int], params: SamplingParams) -> None:
-    api.send(msg.Reserve(request_id, ids, params, "prefill-0"))
-    api.wait(f"Reserved {request_id}", lambda: api.reserved(request_id), TIMEOUT_S)
+    reserve_on(api, request_id, ids, params, TIMEOUT_S)
 
 
 def running_tokens(api: ApiEnd) -> int:

@@ -10,24 +10,19 @@ KV of an aborted reservation is received into room of the reserved size, keeping
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import zmq
 
-from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import SamplingParams
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
-from splitserve.services.workers.channels import Outgoing, TensorSender
 from splitserve.services.workers.decode import DecodeWorker
-from splitserve.services.workers.spec import WorkerSpec
+from tests.support import decode_worker
+from tests.support.decode_worker import PrefillEnd, colocated, decode_cluster, prompt
 from tests.support.tiny_models import tiny_model
 from tests.support.worker_sockets import ApiEnd
 
@@ -38,38 +33,6 @@ ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
 HUGE_BLOCKS = 1 << 40
 """A claimed block count whose KV (4 PiB with this model) no machine can allocate."""
 _ids = itertools.count()
-
-
-class PrefillEnd:
-    """The test as prefill worker "prefill-0": KvHeaders and KV through a real TensorSender."""
-
-    def __init__(self, store: StoreAddress, kv_addr: str) -> None:
-        self.ctx = zmq.Context()
-        self.stop = threading.Event()
-        self.errors: queue.Queue[msg.RequestError] = queue.Queue()
-        self.thread_failures: list[str] = []
-        self.generations: list[int] = []
-        """The channel generation of each header sent, in order."""
-        transport = KVTransport("prefill-0", store, torch.device("cpu"), "gloo", TIMEOUT_S)
-        self.sender = TensorSender(
-            "prefill-0", transport, self.ctx, self.stop, self.errors, self.thread_failures.append
-        )
-        self.kv_addr = kv_addr
-
-    def send(
-        self, request_id: str, kv: torch.Tensor, first: int, shape: list[int], dtype: str
-    ) -> None:
-        """Announce ``shape`` and ``dtype`` for request_id, then send kv as it is."""
-
-        def header(generation: int) -> msg.KvHeader:
-            self.generations.append(generation)
-            return msg.KvHeader(request_id, "prefill-0", generation, first, None, shape, dtype)
-
-        self.sender.send("decode-0", self.kv_addr, Outgoing(request_id, header, [kv], "KV"))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")
@@ -85,51 +48,16 @@ def reference(model: str) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def cluster(model: str) -> Iterator[tuple[DecodeWorker, ApiEnd, PrefillEnd]]:
-    server, address = start_store("127.0.0.1")
-    spec = WorkerSpec(
-        "decode-0",
-        "decode",
-        EngineConfig(model, **ENGINE),
-        threads=0,  # leave this process's torch thread count alone
-        transfer=TransferConfig(backend="gloo", timeout_s=TIMEOUT_S),
-        store=address,
-    )
-    worker = DecodeWorker(spec)
-    info = worker.start()
-    api, prefill = ApiEnd(info), PrefillEnd(address, info["kv_addr"])
-    yield worker, api, prefill
-    prefill.close()
-    api.close()
-    worker.stop()
-    del server
-
-
-def prompt(seed: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 5000 + 100 for i in range(40)]
+    with decode_cluster(model, ENGINE, TIMEOUT_S) as started:
+        yield started
 
 
 def prefilled(engine: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, int]:
-    request_id = f"ref-{next(_ids)}"
-    engine.add_request(request_id, ids, PARAMS, prefill_only=True)
-    while engine.has_unfinished_requests():
-        engine.step()
-    done = engine.handoff.pop_prefilled(request_id)
-    return done.kv.clone(), done.first_token
-
-
-def colocated(engine: LLMEngine, ids: list[int]) -> list[int]:
-    request_id = f"ref-{next(_ids)}"
-    engine.add_request(request_id, ids, PARAMS)
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            tokens = list(output.outputs[0].token_ids)
-    return tokens
+    return decode_worker.prefilled(engine, ids, PARAMS)
 
 
 def reserve(api: ApiEnd, request_id: str, ids: list[int]) -> None:
-    api.send(msg.Reserve(request_id, ids, PARAMS, "prefill-0"))
-    api.wait(f"Reserved {request_id}", lambda: api.reserved(request_id), TIMEOUT_S)
+    decode_worker.reserve(api, request_id, ids, PARAMS, TIMEOUT_S)
 
 
 def serve(cluster: Any, reference: LLMEngine, seed: int) -> None:
@@ -140,7 +68,7 @@ def serve(cluster: Any, reference: LLMEngine, seed: int) -> None:
     kv, first = prefilled(reference, ids)
     prefill.send(request_id, kv, first, list(kv.shape), "float32")
     api.wait(f"tokens of {request_id}", lambda: request_id in api.finished, 30)
-    assert api.tokens[request_id] == colocated(reference, ids)
+    assert api.tokens[request_id] == colocated(reference, ids, PARAMS)
 
 
 def refused(
