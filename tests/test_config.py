@@ -79,7 +79,7 @@ def test_pool_engine_overrides_reach_the_engine_config_of_that_pool_only() -> No
     )
     decode, prefill = config.engine_config("decode"), config.engine_config("prefill")
     assert (decode.cuda_graph_max_batch, decode.overlap_scheduling) == (8, False)
-    assert (prefill.cuda_graph_max_batch, prefill.overlap_scheduling) == (64, None)
+    assert (prefill.cuda_graph_max_batch, prefill.overlap_scheduling) == (512, None)
 
 
 def test_a_pool_engine_takes_every_engine_config_field_but_model_and_device(

@@ -27,7 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
-    cuda_graph_max_batch: int = 64
+    cuda_graph_max_batch: int = 512
     overlap_scheduling: bool | None = None
     """Prepare decode step N+1 while the device runs step N (engine/overlap.py); None: on
     CUDA only, where the host's work can hide behind the device's."""
