@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.tokenizer_cache import gguf_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
 
 SHAPE_PREFIX = "shape:"
@@ -121,9 +122,7 @@ def load_tokenizer(path: str) -> Any:
         return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
 
     if is_gguf(path):
-        return AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-        )
+        return gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(path)
 
 
