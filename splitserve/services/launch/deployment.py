@@ -94,15 +94,19 @@ class Deployment:
             from splitserve.kvstore.transfer import start_store
 
             self._store, self._store_addr = start_store(_driver_host(config.server.internal_host))
-        for name, pool in config.pools.items():
-            self.add_replicas(name, pool.replicas)
+        # Every pool's replicas are placed first and started together: their processes load
+        # their engines side by side instead of one pool after the other.
+        self._start([self._place(n) for n, p in config.pools.items() for _ in range(p.replicas)])
 
     def add_replicas(self, name: str, count: int) -> list[dict[str, Any]]:
         """Place and start ``count`` new replicas of pool ``name``; returns (and keeps) their
         WorkerInfo dicts."""
+        return self._start([self._place(name) for _ in range(count)])
+
+    def _start(self, started: list[Replica]) -> list[dict[str, Any]]:
+        """Start placed replicas and wait for all of them; on a failure, remove them all."""
         import ray
 
-        started = [self._place(name) for _ in range(count)]
         try:
             infos: list[dict[str, Any]] = ray.get([r.actor.start.remote() for r in started])
         except ray.exceptions.RayError as exc:
