@@ -105,9 +105,42 @@ def check(family: str, backend: str, graphs: bool, root: Path) -> dict[str, Any]
     }
 
 
+def check_store(root: Path) -> dict[str, Any]:
+    """The asynchronous write-through on CUDA: an engine's blocks reach a host tier (copied on
+    a stream of their own), and a second engine loads the prefix from it with equal tokens."""
+    from splitserve.kvstore.store import BlockStore, BlockStoreConfig
+
+    path = root / "llama"
+    if not path.exists():
+        tiny_model("llama", path)
+    store = BlockStore(BlockStoreConfig(host_bytes=1 << 30))
+    config = EngineConfig(
+        model=str(path), device="cuda", dtype="float32", max_model_len=1024, num_kv_blocks=512
+    )
+    prompt = torch.randint(0, 4096, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    tokens, cached = [], []
+    for _ in range(2):
+        engine = LLMEngine(config, tokenizer=NumericTokenizer(4096), block_store=store)
+        llm = LLM.from_engine(engine)
+        tokens.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert engine.prefix_cache is not None
+        engine.prefix_cache.flush(wait=True)
+        cached.append((engine.stats().cached_tokens_by_tier or {}).get("host", 0))
+    ok = tokens[0] == tokens[1] and cached == [0, 288] and len(store.host) == 21
+    return {"family": "llama", "backend": "store", "cuda_graphs": True, "prompts": 1,
+            "equal": int(tokens[0] == tokens[1]), "near_tie": 0, "ok": ok,
+            "host_blocks": len(store.host), "cached_host_tokens": cached}  # fmt: skip
+
+
 def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        try:
+            rows.append(check_store(Path(tmp)))
+        except Exception as exc:
+            rows.append({"family": "llama", "backend": "store", "cuda_graphs": True,
+                         "ok": False, "error": repr(exc)[:300]})  # fmt: skip
         for family in ("llama", "qwen2"):
             for backend in ("torch", "triton"):
                 for graphs in (False, True):

@@ -61,7 +61,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--mixes", default=",".join(MIXES))
     parser.add_argument("--rates", default=None, help="one sweep for every mix, e.g. 4,8,16")
     parser.add_argument("--num-prompts", type=int, default=200, help="per rate")
-    parser.add_argument("--offline-prompts", type=int, default=256)
+    parser.add_argument("--offline-prompts", type=int, default=None, help="default: --num-prompts")
     parser.add_argument("--quick", action="store_true", help="tiny run (CPU smoke test)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", default=None)
@@ -106,10 +106,15 @@ def _deployment(
         result: dict[str, Any] = {"ready_s": server.ready_s, "serve_args": serve_args}
         result["first_vs_hundredth"] = _probe(args, server)
         result["mixes"] = {}
-        for mix, (input_len, output_len) in mixes.items():
+        for m, (mix, (input_len, output_len)) in enumerate(mixes.items()):
             runs = []
-            for rate in _rates(args, mix):
-                runs.append(_rate_run(args, out, server, name, mix, input_len, output_len, rate))
+            for r, rate in enumerate(_rates(args, mix)):
+                # Each run its own prompts (a seed per mix and rate): with the same prompts every
+                # rate after the first would read the KV of the one before from the prefix cache.
+                seed = 1000 * (m + 1) + r
+                runs.append(
+                    _rate_run(args, out, server, name, mix, input_len, output_len, rate, seed)
+                )
             result["mixes"][mix] = {"runs": runs, "goodput_rate": _goodput(runs)}
         result["worker_log_tail"] = server.lines[-5:]
     return result
@@ -138,6 +143,7 @@ def _rate_run(
     input_len: int,
     output_len: int,
     rate: float,
+    seed: int,
 ) -> dict[str, Any]:
     tag = f"{name}-{mix.replace('/', 'x')}-{'sat' if rate == float('inf') else f'{rate:g}'}"
     path = out / f"serve-{tag}.json"
@@ -147,7 +153,7 @@ def _rate_run(
         sys.executable, "-m", "splitserve.cli", "bench", "serve", "--base-url", server.url,
         "--dataset", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(prompts),
-        "--request-rate", str(rate), "--slo-ttft-ms", str(SLO_TTFT_MS),
+        "--request-rate", str(rate), "--seed", str(seed), "--slo-ttft-ms", str(SLO_TTFT_MS),
         "--slo-tpot-ms", str(SLO_TPOT_MS), "--metric-percentiles", "90,99",
         "--tokenizer", args.model,
         "--result-file", str(path), "--disable-tqdm", "--save-detailed",
@@ -176,7 +182,8 @@ def _goodput(runs: list[dict[str, Any]]) -> float:
 
 def _offline(args: argparse.Namespace, input_len: int, output_len: int) -> dict[str, Any]:
     """The engine alone on the mix: every prompt at once, output tokens per second."""
-    prompts = 8 if args.quick else args.offline_prompts
+    # As many prompts as each served rate: the same prefill and the same decode tail.
+    prompts = 8 if args.quick else (args.offline_prompts or args.num_prompts)
     command = [
         sys.executable, str(Path(__file__).resolve().parent / "offline_mix.py"),
         "--model", args.model, "--device", args.device, "--prompts", str(prompts),

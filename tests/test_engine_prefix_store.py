@@ -79,3 +79,19 @@ def test_corrupt_disk_block_is_a_miss_and_recomputed(
     stats = llm.engine.stats()
     assert stats.cached_tokens_by_tier == {"disk": 2 * 16}
     assert stats.prompt_tokens_computed == num_prompt - 2 * 16
+
+
+def test_store_without_disk_gets_only_the_blocks_its_host_tier_keeps(
+    smollm2_tokenizer: Any, smollm2_llm: LLM, tmp_path: Path
+) -> None:
+    """A burst of new blocks is copied out only as far as the host tier can keep it: the
+    store ends as an unbounded write-through would leave an LRU of that size."""
+    block_bytes = smollm2_llm.engine.runner.kv_bytes_per_block()
+    room = BlockStore(BlockStoreConfig(host_bytes=1 << 30))
+    _run(_llm(smollm2_tokenizer, room))
+    small = BlockStore(BlockStoreConfig(host_bytes=3 * block_bytes))
+    assert small.max_blocks(block_bytes) == 3
+    _run(_llm(smollm2_tokenizer, small))
+    assert small.host.keys() == room.host.keys()[-3:]
+    with_disk = BlockStoreConfig(host_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 30)
+    assert BlockStore(with_disk).max_blocks(block_bytes) is None

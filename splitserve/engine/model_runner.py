@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from splitserve.engine.config import EngineConfig
@@ -43,6 +45,7 @@ class ModelRunner:
         self.model = self._build_model(weights_path)
         self.num_blocks = self._allocate_kv_cache()
         self.scratch_block = self.num_blocks
+        self._copy_stream: torch.cuda.Stream | None = None
         self.warm_up_seconds = 0.0
         if self.device.type == "cuda":
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
@@ -103,6 +106,26 @@ class ModelRunner:
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of these blocks' K and V: [2, layers, n, block, kv_heads, dim]."""
         return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
+
+    def blocks_to_host(self, block_ids: list[int]) -> HostBlocks:
+        """A host copy of these blocks, one contiguous [2, layers, block, kv_heads, dim] per
+        block ([n, ...] in all). On CUDA the copy runs on a stream of its own into pinned
+        memory and this returns at once; ``HostBlocks.wait`` waits for it to land."""
+        kv = self.kv_cache[:, :, self._tensor(block_ids)].movedim(2, 0)
+        if self.device.type != "cuda":
+            return HostBlocks(kv.contiguous(), None)
+        gathered = kv.contiguous()  # on the loop's stream: after the step that wrote the KV
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(gathered, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        gathered.record_stream(stream)
+        return HostBlocks(host, done)
 
     def scatter_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.dtype)
@@ -177,6 +200,19 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+@dataclass
+class HostBlocks:
+    """Blocks copied to the host: ``tensor[i]`` is the i-th block once ``done`` has
+    completed (None: the copy was synchronous)."""
+
+    tensor: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
 
 
 def _has_images(batch: ScheduledBatch) -> bool:

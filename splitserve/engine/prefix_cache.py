@@ -6,7 +6,12 @@ node's ``kvstore.store.BlockStore``) and a ``CacheEvents`` sink (a ``kvstore.pub
 
 - every block that gets a hash is copied into the store after the step that computed it
   (write-through, with its request's traffic class), so a block later evicted from the device
-  cache is already in the host tier;
+  cache is already in the host tier. On CUDA the copy to the host runs on a stream of its own
+  and a thread puts the blocks into the store once it has landed (engine/store_writer.py):
+  the loop never waits for it (a synchronous copy per block took a quarter of a served H200
+  loop at 8 req/s). A block still on its way is on the device too. Only as many of a flush's
+  blocks are copied as the store can keep (``max_blocks``: the host tier's room when no disk
+  tier is below it), the newest, which is what an LRU of that size keeps of the burst;
 - every device store and eviction is reported as a ``device`` tier event;
 - a waiting request whose device-cached prefix ends early continues it with blocks the store
   has: each is loaded into a free device block and registered under its hash. A store miss
@@ -23,12 +28,18 @@ import torch
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
+from splitserve.engine.store_writer import StoreWriter
 
 
 class BlockCache(Protocol):
     """Blocks ``[2, layers, block_size, kv_heads, head_dim]`` by hash (BlockStore fits)."""
 
     def put(self, block_hash: int, kv: torch.Tensor, traffic_class: str | None = None) -> None: ...
+
+    def max_blocks(self, block_bytes: int) -> int | None:
+        """At most how many blocks of one burst of puts can stay (None: no bound), so that
+        the engine copies no block that the next ones of the same burst push out."""
+        ...
 
     def load_prefix(self, block_hashes: Sequence[int]) -> list[tuple[torch.Tensor, str]]: ...
 
@@ -54,20 +65,35 @@ class PrefixCache:
         self.store = store
         self.events = events
         self._pending: list[tuple[int, int, str | None]] = []
+        self._block_bytes = runner.kv_bytes_per_block()
+        self._writer: StoreWriter | None = None
+        """Puts CUDA copies into the store off the loop thread (started by the first)."""
         block_manager.on_commit = self._committed
         block_manager.on_evict = self._evicted
         if store is not None:
             block_manager.loader = self._load
 
-    def flush(self) -> None:
-        """Copy the blocks committed since the last flush into the store (after a step)."""
-        if not self._pending or self.store is None:
-            self._pending = []
-            return
-        pending, self._pending = self._pending, []
-        kv = self.runner.gather_blocks([block_id for _, block_id, _ in pending])
-        for i, (block_hash, _, traffic_class) in enumerate(pending):
-            self.store.put(block_hash, kv[:, :, i], traffic_class)
+    def flush(self, wait: bool = False) -> None:
+        """Copy the blocks committed since the last flush to the store (after a step): at once
+        on CPU; on CUDA the copy runs on its own stream and the StoreWriter thread puts it
+        into the store once it has landed. wait: return once every copy is in the store."""
+        limit = None if self.store is None else self.store.max_blocks(self._block_bytes)
+        if limit is not None:
+            self._pending = self._pending[-limit:] if limit else []
+        if self._pending and self.store is not None:
+            pending, self._pending = self._pending, []
+            copy = self.runner.blocks_to_host([block_id for _, block_id, _ in pending])
+            blocks = [(block_hash, traffic_class) for block_hash, _, traffic_class in pending]
+            if copy.done is None:
+                for i, (block_hash, traffic_class) in enumerate(blocks):
+                    self.store.put(block_hash, copy.tensor[i], traffic_class)
+            else:
+                if self._writer is None:
+                    self._writer = StoreWriter(self.store)
+                self._writer.submit(blocks, copy)
+        self._pending = []
+        if wait and self._writer is not None:
+            self._writer.drain()
 
     def _committed(self, block_hash: int, block_id: int, req: Request) -> None:
         if self.store is not None:

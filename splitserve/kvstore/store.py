@@ -100,6 +100,11 @@ class BlockStore:
             tensor = kv.detach().to("cpu", copy=True).contiguous()
             self._insert_host(block_hash, HostEntry(tensor, expiry))
 
+    def max_blocks(self, block_bytes: int) -> int | None:
+        """How many of a burst of new blocks of ``block_bytes`` can stay: the host tier's
+        capacity with no disk tier below it, else None (its victims go down to disk)."""
+        return None if self.disk is not None else self.config.host_bytes // block_bytes
+
     def get(
         self, block_hash: int, traffic_class: str | None = None
     ) -> tuple[torch.Tensor, str] | None:

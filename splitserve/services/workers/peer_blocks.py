@@ -66,6 +66,9 @@ class StagedBlocks:
     def put(self, block_hash: int, kv: torch.Tensor, traffic_class: str | None = None) -> None:
         self.store.put(block_hash, kv, traffic_class)
 
+    def max_blocks(self, block_bytes: int) -> int | None:
+        return self.store.max_blocks(block_bytes)
+
     def load_prefix(self, block_hashes: Sequence[int]) -> list[tuple[torch.Tensor, str]]:
         """The leading blocks found in the store or, failing that, among the staged ones."""
         found: list[tuple[torch.Tensor, str]] = []
