@@ -40,6 +40,7 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 8192
     max_n: int = 8
     max_queue: int = 256
     internal_host: str = "127.0.0.1"
@@ -49,6 +50,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
         _require(self.max_body_bytes >= 1024, "server.max_body_bytes must be at least 1024")
+        _require(self.max_header_bytes >= 1024, "server.max_header_bytes must be at least 1024")
         _require(self.max_n >= 1, "server.max_n must be at least 1")
         _require(self.max_queue >= 1, "server.max_queue must be at least 1")
         _require(all(self.api_keys), "server.api_keys must not contain empty keys")

@@ -78,6 +78,49 @@ def test_invalid_chat_value_is_400_naming_the_param(
     assert_still_serving(client)
 
 
+def test_seeds_past_64_bits_are_400_and_leave_no_admission_behind(client: openai.OpenAI) -> None:
+    """Before: each one got a 500 after it was admitted and held its slot for ever, so that
+    past max_queue (2 here) every request got 503 queue_full."""
+    for _ in range(5):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL,
+                messages=CHAT,
+                max_tokens=2,
+                seed=2**64,  # type: ignore[arg-type]
+            )
+        assert error_of(info.value)["param"] == "seed"
+    assert_still_serving(client)
+
+
+def test_an_unsupported_field_is_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=2,
+            response_format={"type": "json_object"},
+        )
+    assert error_of(info.value) == {
+        "message": "response_format is not supported by this server",
+        "type": "invalid_request_error",
+        "param": "response_format",
+        "code": "unsupported_parameter",
+    }
+    assert_still_serving(client)
+
+
+def test_more_choices_than_the_admission_bound_is_400_not_queue_full(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=3)  # type: ignore[arg-type]
+    assert error_of(info.value)["message"] == (
+        "n: 1 prompt(s) x n=3 make 3 engine requests, more than the 2 this server admits at once"
+    )
+    assert_still_serving(client)
+
+
 # A 1x1 PNG: a valid image, which this text-only model cannot take.
 PIXEL = (
     "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
@@ -139,7 +182,7 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
     assert_still_serving(client)
 
 
-def test_malformed_json_and_oversized_body_are_400(
+def test_malformed_json_and_oversized_bodies_and_headers_are_refused(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
     headers = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
@@ -151,6 +194,11 @@ def test_malformed_json_and_oversized_body_are_400(
     too_big = httpx.post(url, content=json.dumps(huge), headers=headers)
     assert too_big.status_code == 400
     assert too_big.json()["error"]["code"] == "body_too_large"
+    chunked = httpx.post(url, content=iter([json.dumps(huge).encode()]), headers=headers)
+    assert chunked.request.headers["Transfer-Encoding"] == "chunked"
+    assert (chunked.status_code, chunked.json()["error"]["code"]) == (400, "body_too_large")
+    padded = httpx.post(url, content=b"{}", headers={**headers, "X-Padding": "x" * 10000})
+    assert (padded.status_code, padded.json()["error"]["code"]) == (431, "headers_too_large")
     assert_still_serving(client)
 
 

@@ -222,3 +222,25 @@ def test_a_pool_left_without_workers_refuses_new_requests() -> None:
         assert exchange.num_admitted == 0
 
     run({"both-0": "both"}, scenario)
+
+
+def test_a_request_that_fails_after_admission_releases_its_slot() -> None:
+    """A seed past 64 bits does not encode: the group's requests admitted before the one that
+    raised, and that one, leave the queue; more such groups than the bound of 16 (each sending
+    its first request) still leave room for a normal request."""
+
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        unencodable = SamplingParams(max_tokens=4, seed=2**64)
+        for i in range(20):
+            sent = (f"{i}-0", PROMPT, SamplingParams(max_tokens=4))
+            with pytest.raises(OverflowError):
+                exchange.submit([sent, (f"{i}-1", PROMPT, unencodable)])
+            assert exchange.num_admitted == 0
+            assert await w["both-0"].received_id() == f"{i}-0"
+            assert await w["both-0"].receive() == msg.AbortRequest([f"{i}-0", f"{i}-1"])
+        group = submit(exchange, "normal")
+        assert await w["both-0"].received_id() == "normal"
+        await w["both-0"].send(delta("normal", [4], "stop"))
+        assert (await next_item(group))[1].token_ids == [4]
+
+    run({"both-0": "both"}, scenario)

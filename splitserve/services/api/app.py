@@ -24,7 +24,12 @@ def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> Fas
     app.state.server = state
     app.state.scaler = scaler
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
+    server = state.config.server
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=server.max_body_bytes,
+        max_header_bytes=server.max_header_bytes,
+    )
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(admin.router)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
@@ -46,8 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     group = sv.submit(state, [prompt], [params], body.n, traffic, prompt_images)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        stream = _stream(state, body, group, response_id, len(prompt))
-        return StreamingResponse(stream, media_type="text/event-stream", headers=sv.SSE_HEADERS)
+        return sv.GroupStream(group, _stream(state, body, group, response_id, len(prompt)))
     choices = await sv.collect(request, group, body.n)
     return JSONResponse(
         {

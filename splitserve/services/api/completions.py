@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
@@ -49,7 +49,7 @@ def _check_token_ids(state: sv.ServerState, prompts: list[list[int]]) -> None:
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = sv.get_state(request)
     sv.check_model(state, body.model)
-    sv.check_n(state, body.n)
+    sv.check_n(state, body.n, body.num_prompts)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported", param="echo")
     prompts = await asyncio.to_thread(tokenize_prompts, state.tokenizer, body.prompt)
@@ -69,8 +69,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     group = sv.submit(state, prompts, params, body.n, sv.traffic_class(state, request))
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        stream = _stream(state, body, group, response_id, prompts, echoes)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=sv.SSE_HEADERS)
+        return sv.GroupStream(group, _stream(state, body, group, response_id, prompts, echoes))
     choices = await sv.collect(request, group, len(prompts) * body.n)
     return JSONResponse(
         {

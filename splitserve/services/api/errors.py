@@ -60,7 +60,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+        code = "body_too_large" if isinstance(exc, BodyTooLarge) else None
+        return error_response(APIError(exc.status_code, str(exc.detail), kind, code=code))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -69,16 +70,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:
+    """The first error, named by its field: a model validator's error carries the field in
+    its context (protocol.field_error); one about the whole body says what the body is."""
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid" or (loc == [] and first.get("type") != "missing"):
+    kind = str(first.get("type", "invalid_value"))
+    if kind == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
-    message = str(first.get("msg", "invalid request"))
-    message = message.removeprefix("Value error, ")
-    param = _param_name(loc)
-    if param:
-        message = f"{param}: {message}"
-    return APIError(400, message, param=param, code="invalid_value")
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    context = first.get("ctx") or {}
+    if "param" in context:
+        return APIError(400, message, param=str(context["param"]), code=kind)
+    param = _param_name([str(p) for p in first.get("loc", ()) if p != "body"])
+    if param is None:
+        return APIError(400, "the request body must be a JSON object", code="invalid_value")
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
 def _param_name(loc: list[str]) -> str | None:
@@ -88,21 +93,31 @@ def _param_name(loc: list[str]) -> str | None:
     return ".".join(parts) or None
 
 
-class BodyLimitMiddleware:
-    """Refuse request bodies over ``max_bytes`` before they are buffered (400)."""
+class BodyTooLarge(StarletteHTTPException):
+    """A body found over the limit while it is read; FastAPI passes an HTTP error raised by
+    its body reading through to the handler, which answers ``body_too_large``."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(400, f"the request body is larger than the limit of {max_bytes} bytes")
+
+
+class BodyLimitMiddleware:
+    """Refuse request heads over ``max_header_bytes`` (431) and bodies over ``max_bytes``
+    (400), by Content-Length before the body is read or, for a chunked body, once its
+    chunks add up to more than the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", []))
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        refused = self._refusal(scope.get("headers", []))
+        if refused is not None:
+            await error_response(refused)(scope, receive, send)
             return
         received = 0
 
@@ -112,14 +127,17 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise StarletteHTTPException(400, self._message())
+                    raise BodyTooLarge(self.max_bytes)
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _message(self) -> str:
-        return f"the request body is larger than the limit of {self.max_bytes} bytes"
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(APIError(400, self._message(), code="body_too_large"))
-        await response(scope, receive, send)
+    def _refusal(self, headers: list[tuple[bytes, bytes]]) -> APIError | None:
+        size = sum(len(name) + len(value) for name, value in headers)
+        if size > self.max_header_bytes:
+            message = f"the request headers are larger than the limit of {self.max_header_bytes}"
+            return APIError(431, message + " bytes", code="headers_too_large")
+        length = dict(headers).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return APIError(400, BodyTooLarge(self.max_bytes).detail, code="body_too_large")
+        return None

@@ -91,8 +91,14 @@ class RequestExchange:
         if len(self.inflight) + len(requests) > self.max_queue:
             raise QueueFullError(f"the server is at its admission bound of {self.max_queue}")
         group = RequestGroup([request_id for request_id, _, _ in requests], self.abort)
-        for index, (request_id, prompt_ids, params) in enumerate(requests):
-            self._admit(group, index, request_id, prompt_ids, params, traffic_class, images)
+        try:
+            for index, (request_id, prompt_ids, params) in enumerate(requests):
+                self._admit(group, index, request_id, prompt_ids, params, traffic_class, images)
+        except BaseException:
+            # NOTE: a request admitted before the failure (or the one whose send raised, for
+            # example a message that does not encode) would hold its slot for ever.
+            group.close()
+            raise
         return group
 
     def _admit(

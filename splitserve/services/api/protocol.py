@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI endpoints (pydantic); value ranges are checked here.
 
-Fields that splitserve does not implement but that change what a client gets (tools,
-response_format other than text, logit_bias, ...) are refused rather than ignored; other
-unknown fields are ignored, as OpenAI-compatible servers usually do.
+Every number is bounded to what the engine and the msgpack codec carry: integers fit in 64
+bits (seeds) or 31 (counts), floats are finite and within their documented ranges. Fields
+that splitserve does not implement but that change what a client gets (tools,
+response_format other than text, logit_bias, ...) are refused with an error that names them
+rather than ignored; other unknown fields are ignored, as OpenAI-compatible servers usually do.
 """
 
 from __future__ import annotations
@@ -10,8 +12,42 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix")
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+"""Fields refused unless absent or set to the value that asks for nothing (name -> those)."""
+
+MAX_COUNT = 2**31 - 1
+"""Bound of token counts (max_tokens, min_tokens, top_k): past any context, within int32."""
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+
+Count = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+"""A signed 64-bit seed; choice i samples with seed + i, which stays within the 64 bits that
+torch's generator and msgpack take while i < 2**63."""
+
+
+def field_error(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
+    """A validation error of a model validator that names its field (errors.py reads
+    ``param`` and ``code`` back: a model-level error has no location of its own)."""
+    return PydanticCustomError(code, message, {"param": param})
 
 
 class TextPart(BaseModel):
@@ -68,35 +104,45 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What chat and completions share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    max_tokens: Annotated[int, Field(gt=0)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions that vLLM users know (not in OpenAI's API).
-    top_k: int = 0
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] = 0
     ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
+        return stop
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
-        for name in UNSUPPORTED:
-            if (self.model_extra or {}).get(name) not in (None, [], {}):
-                raise ValueError(f"{name} is not supported by this server")
-        response_format = (self.model_extra or {}).get("response_format")
-        if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this server")
+        extra = self.model_extra or {}
+        for name, allowed in UNSUPPORTED.items():
+            if name in extra and extra[name] not in allowed:
+                raise field_error(
+                    name, f"{name} is not supported by this server", "unsupported_parameter"
+                )
         return self
 
     @property
@@ -111,14 +157,14 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(gt=0)] | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     @property
@@ -148,6 +194,13 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the body: one for a string or a list of token ids, else the list's."""
+        if isinstance(self.prompt, str) or all(isinstance(p, int) for p in self.prompt):
+            return 1
+        return len(self.prompt)
 
     @property
     def num_logprobs(self) -> int | None:

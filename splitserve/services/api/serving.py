@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from splitserve.config import DeployConfig
 from splitserve.engine.sampling_params import SamplingParams
@@ -57,10 +59,21 @@ def check_model(state: ServerState, model: str) -> None:
         )
 
 
-def check_n(state: ServerState, n: int) -> None:
-    if n > state.config.server.max_n:
-        bound = state.config.server.max_n
-        raise APIError(400, f"n: must be at most {bound}", param="n", code="invalid_value")
+def check_n(state: ServerState, n: int, prompts: int = 1) -> None:
+    """400 past server.max_n, or for more engine requests (prompts x n) than the admission
+    bound holds at once (such a request could never be admitted)."""
+    server = state.config.server
+    if n > server.max_n:
+        raise APIError(400, f"n: must be at most {server.max_n}", param="n", code="invalid_value")
+    if prompts * n > server.max_queue:
+        param = "n" if prompts == 1 else "prompt"
+        raise APIError(
+            400,
+            f"{param}: {prompts} prompt(s) x n={n} make {prompts * n} engine requests, more "
+            f"than the {server.max_queue} this server admits at once",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def sampling_params(
@@ -251,3 +264,20 @@ def sse_error(exc: EngineRequestError) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class GroupStream(StreamingResponse):
+    """The SSE response of a request group, which it closes however the response ends.
+
+    NOTE: the stream's own ``finally`` is not enough: an async generator that never started
+    (the client left before the first byte) runs none of its code when it is dropped."""
+
+    def __init__(self, group: RequestGroup, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.close()
