@@ -178,12 +178,35 @@ def test_a_restarted_store_adopts_its_files_in_access_order(tmp_path: Path) -> N
         blocks.put(h, kv(h))
     for age, h in enumerate((2, 3, 1)):
         os.utime(disk(blocks).path_of(h), (1000 + age, 1000 + age))
-    leftover = disk(blocks).path_of(4).with_name(".x.tmp")
+    block_file = disk(blocks).path_of(4)
+    leftover = block_file.with_name(f".{block_file.name}.{'0' * 32}.tmp")
     leftover.write_bytes(b"partial")
     again, _ = store(tmp_path, host_blocks=0, disk_blocks=8)
     assert again.snapshot() == {"host": [], "disk": [2, 3, 1]}
     assert not leftover.exists()
     assert torch.equal(again.get(3)[0], kv(3))  # type: ignore[index]
+
+
+def test_the_disk_tier_leaves_files_it_did_not_write(tmp_path: Path) -> None:
+    """Files of other names under the directory survive a restart's clean-up and evictions."""
+    root = tmp_path / "kv"
+    foreign = [
+        root / "notes.txt",
+        root / "00" / "readme.md",
+        root / "00" / "1234.kv",
+        root / "00" / ".x.tmp",
+        root / "models" / "0000000000000001.kv",
+        root / "0A" / "0000000000000001.kv",
+    ]
+    for path in foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not ours")
+    blocks, _ = store(tmp_path, host_blocks=0, disk_blocks=2)
+    for h in (1, 2, 3, 4):
+        blocks.put(h, kv(h))
+    again, _ = store(tmp_path, host_blocks=0, disk_blocks=1)
+    assert again.snapshot() == {"host": [], "disk": [4]}
+    assert [p.read_bytes() for p in foreign] == [b"not ours"] * len(foreign)
 
 
 def test_load_prefix_stops_at_the_first_missing_block() -> None:

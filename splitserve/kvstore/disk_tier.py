@@ -6,6 +6,10 @@ read verifies the checksum (kvstore/block_codec.py); a corrupt or truncated file
 reported as a miss, so the block is recomputed instead of serving wrong KV. Recency survives a
 restart through the files' modification times, which each hit refreshes.
 
+The tier touches only files of its own naming: ``<2 hex digits>/<16 hex digits>.kv`` and its
+temporaries; anything else under the directory (another program's files) is never read,
+adopted or deleted.
+
 Several processes may share one directory (the workers of a node): each keeps its own LRU of
 the files it wrote or adopted (``adopt`` takes in a file another one wrote), so the byte
 budget holds per process, not for the directory as a whole.
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,6 +33,9 @@ from splitserve.kvstore.block_codec import CorruptBlock
 log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+_FOLDER = re.compile(r"[0-9a-f]{2}")
+_BLOCK_FILE = re.compile(r"[0-9a-f]{16}\.kv")
+_TMP_FILE = re.compile(r"\.[0-9a-f]{16}\.kv\.[0-9a-f]{32}\.tmp")
 
 
 class DiskTier:
@@ -148,8 +157,8 @@ class DiskTier:
     def _load(self) -> None:
         """Adopt the files a previous run left, oldest access first; drop leftovers and junk."""
         found: list[tuple[float, int, int, float]] = []
-        for path in self.root.glob("*/*"):
-            if path.name.endswith(_TMP_SUFFIX) or path.suffix != _SUFFIX:
+        for path in self._own_files():
+            if _TMP_FILE.fullmatch(path.name):
                 path.unlink(missing_ok=True)
                 continue
             try:
@@ -168,3 +177,11 @@ class DiskTier:
             self.used_bytes += size
         while self.used_bytes > self.budget_bytes:
             self.pop(next(iter(self._entries)))
+
+    def _own_files(self) -> Iterator[Path]:
+        """Block files and temporaries in the tier's two-hex-digit folders; nothing else."""
+        for folder in self.root.iterdir():
+            if _FOLDER.fullmatch(folder.name) and folder.is_dir():
+                for path in folder.iterdir():
+                    if _BLOCK_FILE.fullmatch(path.name) or _TMP_FILE.fullmatch(path.name):
+                        yield path
