@@ -167,8 +167,10 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
         num_attention_heads=6, max_position_embeddings=256,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (4, 21, 33)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    # A decode crossing a block boundary (12 -> 17), a prefill over two blocks (21); the
+    # interpreter runs each program in Python, so the run is kept this short.
+    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (12, 21)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     kwargs: dict[str, Any] = dict(model=model, max_model_len=96, block_size=16, num_kv_blocks=24)
     reference = LLM(**kwargs)
     expected = [
@@ -192,10 +194,10 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
         set_kernels_on_cpu(False)
         set_decode_path("fused")
     assert tokens == expected
-    assert all(len(t) == 10 for t in expected)
-    # 3 prompts x 9 decode steps x 2 layers x 4 projections, 2 of them after a norm.
-    assert len(calls) == 3 * 9 * 2 * 4
-    assert calls.count(True) == (3 * 9 * 2 * 2 if path == "fused" else 0)
+    assert all(len(t) == 6 for t in expected)
+    # 2 prompts x 5 decode steps x 2 layers x 4 projections, 2 of them after a norm.
+    assert len(calls) == 2 * 5 * 2 * 4
+    assert calls.count(True) == (2 * 5 * 2 * 2 if path == "fused" else 0)
 
 
 def _greedy(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
