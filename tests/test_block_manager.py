@@ -7,7 +7,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
-from splitserve.kvstore.hashing import block_hashes, hash_block
+from splitserve.kvstore.hashing import block_hashes, hash_block, hash_root
 
 
 def _req(request_id: str, tokens: list[int]) -> Request:
@@ -15,15 +15,41 @@ def _req(request_id: str, tokens: list[int]) -> Request:
 
 
 def test_block_hashes_chain_over_full_blocks_only() -> None:
-    hashes = block_hashes(list(range(10)), 4)
+    hashes = block_hashes(list(range(10)), 4, 0)
     assert len(hashes) == 2
     assert hashes[1] == hash_block(hash_block(0, [0, 1, 2, 3]), [4, 5, 6, 7])
-    assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != hashes[1]
+    assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4, 0)[1] != hashes[1]
     assert all(0 <= h < 2**64 for h in hashes)
 
 
+def test_the_hash_root_separates_models_dtypes_and_block_sizes() -> None:
+    roots = [
+        hash_root("smollm2-135m-instruct", "float32", 16),
+        hash_root("/models/other-135m.gguf", "float32", 16),
+        hash_root("smollm2-135m-instruct", "bfloat16", 16),
+        hash_root("smollm2-135m-instruct", "float32", 32),
+    ]
+    assert len(set(roots)) == 4
+    assert roots[0] == hash_root("smollm2-135m-instruct", "float32", 16)
+    chains = [block_hashes(list(range(32)), 16, root) for root in roots]
+    assert len({h for chain in chains for h in chain}) == 8
+    assert chains[0][1] == hash_block(hash_block(roots[0], list(range(16))), list(range(16, 32)))
+
+
+def test_block_managers_of_two_roots_never_share_a_prefix() -> None:
+    tokens = list(range(9))
+    ours, theirs = (BlockManager(8, 4, True, root) for root in (1, 2))
+    for bm in (ours, theirs):
+        req = _req("a", tokens)
+        assert bm.allocate_slots(req, len(tokens))
+        req.num_computed_tokens = len(tokens)
+        bm.commit(req)
+    assert set(ours.cached).isdisjoint(theirs.cached)
+    assert sorted(ours.cached) == sorted(block_hashes(tokens, 4, 1))
+
+
 def test_allocation_takes_lowest_free_blocks_in_order() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, root=0)
     a = _req("a", list(range(10)))
     assert bm.allocate_slots(a, 10)
     assert a.block_table == [0, 1, 2]
@@ -35,7 +61,7 @@ def test_allocation_takes_lowest_free_blocks_in_order() -> None:
 
 
 def test_finished_prefix_is_reused_and_shared_blocks_are_ref_counted() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, root=0)
     a = _req("a", list(range(10)))
     bm.allocate_slots(a, 10)
     a.num_computed_tokens = 10
@@ -52,7 +78,7 @@ def test_finished_prefix_is_reused_and_shared_blocks_are_ref_counted() -> None:
 
 
 def test_lru_eviction_reclaims_oldest_freed_and_suffixes_before_prefixes() -> None:
-    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True, root=0)
     a = _req("a", [1, 2, 3, 4])
     bm.allocate_slots(a, 4)
     a.num_computed_tokens = 4
@@ -74,7 +100,7 @@ def test_lru_eviction_reclaims_oldest_freed_and_suffixes_before_prefixes() -> No
 
 def test_scheduler_respects_token_budget_and_chunks_long_prompts() -> None:
     config = EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
-    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False, root=0)
     scheduler = Scheduler(config, bm)
     long, short = _req("long", list(range(20))), _req("short", [1, 2, 3])
     scheduler.add(long)
@@ -93,7 +119,7 @@ def test_scheduler_respects_token_budget_and_chunks_long_prompts() -> None:
 
 def test_scheduler_preempts_newest_request_when_blocks_run_out() -> None:
     config = EngineConfig(block_size=2, max_num_batched_tokens=64, max_num_seqs=4)
-    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False, root=0)
     scheduler = Scheduler(config, bm)
     old, new = _req("old", [1, 2, 3, 4]), _req("new", [5, 6, 7, 8])
     scheduler.add(old)
@@ -111,7 +137,7 @@ def test_scheduler_preempts_newest_request_when_blocks_run_out() -> None:
 
 def test_waiting_requests_holding_blocks_cannot_starve_the_queue_head() -> None:
     config = EngineConfig(block_size=2, max_num_batched_tokens=64, max_num_seqs=4)
-    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False, root=0)
     scheduler = Scheduler(config, bm)
     first, second = _req("first", [1, 2, 3, 4]), _req("second", [5, 6, 7, 8])
     for req in (first, second):
@@ -129,7 +155,7 @@ def test_waiting_requests_holding_blocks_cannot_starve_the_queue_head() -> None:
 def test_queued_prompt_tokens_leave_out_the_prefix_a_waiting_request_will_find() -> None:
     """The load a prefill worker reports to the router: a waiting request whose first two
     blocks are cached counts only the rest of its prompt (and claims nothing by being counted)."""
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, root=0)
     scheduler = Scheduler(EngineConfig(block_size=4), bm)
     done = _req("done", list(range(10)))
     bm.allocate_slots(done, 10)

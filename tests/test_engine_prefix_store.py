@@ -10,6 +10,7 @@ import pytest
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.loader import resolve_model
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 
@@ -57,6 +58,28 @@ def test_second_engine_loads_prefix_from_host_tier_with_identical_output(
     assert stats.cached_tokens_by_tier == {"host": usable}
     assert stats.prompt_tokens_computed == num_prompt - usable
     assert stats.prompt_tokens_queried == num_prompt
+
+
+def test_an_engine_of_another_model_identity_never_reads_the_shared_disk_tiers_blocks(
+    smollm2_tokenizer: Any, smollm2_llm: LLM, tmp_path: Path
+) -> None:
+    """The same weights named by their path instead of their alias are another model to the
+    block hashes (hashing.hash_root): a shared directory gives it nothing; the alias hits."""
+    config = BlockStoreConfig(host_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 30)
+    expected = _run(smollm2_llm)
+    assert _run(_llm(smollm2_tokenizer, BlockStore(config))) == expected
+    by_path = EngineConfig(
+        model=str(resolve_model("smollm2-135m-instruct")),
+        max_model_len=2048,
+        kv_cache_bytes=64 << 20,
+    )
+    other = LLM.from_engine(LLMEngine(by_path, smollm2_tokenizer, BlockStore(config)))
+    assert _run(other) == expected
+    num_prompt = len(smollm2_tokenizer.encode(PROMPT))
+    assert other.engine.stats().prompt_tokens_computed == num_prompt
+    same = _llm(smollm2_tokenizer, BlockStore(config))
+    assert _run(same) == expected
+    assert same.engine.stats().cached_tokens_by_tier == {"disk": (num_prompt - 1) // 16 * 16}
 
 
 def test_corrupt_disk_block_is_a_miss_and_recomputed(

@@ -18,7 +18,7 @@ import redis
 
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kvstore.hashing import block_hashes
+from splitserve.kvstore.hashing import block_hashes, hash_root
 from tests.support.prefix_counters import (
     WORKERS,
     chosen,
@@ -35,6 +35,7 @@ from tests.support.wait import wait_for
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 8
+ROOT = hash_root(MODEL, "float32", 16)  # the default deployment's: CPU, fp32, blocks of 16
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def wait_indexed(redis_url: str, ids: list[int], holder: str) -> None:
     """Until the Redis prefix index lists ``holder`` with every full block of ``ids`` on its
     device (the prefill workers publish every 0.2 s here): what cache-aware routing reads."""
     client = redis.Redis.from_url(redis_url)
-    keys = [f"splitserve:kv:b:{h:016x}" for h in block_hashes(ids, 16)]
+    keys = [f"splitserve:kv:b:{h:016x}" for h in block_hashes(ids, 16, ROOT)]
     field = f"{holder}@device"
     wait_for(
         lambda: all(client.hexists(key, field) for key in keys),
@@ -187,7 +188,7 @@ def test_block_past_its_retention_is_gone(
 ) -> None:
     messages = [{"role": "user", "content": system_prompt("short-lived agent notes", 8)}]
     chat(server.url, messages, headers={"x-traffic-class": "agent"})
-    hashes = block_hashes(prompt_ids(smollm2_tokenizer, messages), 16)
+    hashes = block_hashes(prompt_ids(smollm2_tokenizer, messages), 16, ROOT)
     files = [disk / f"{h:016x}"[:2] / f"{h:016x}.kv" for h in hashes]
     assert all(f.exists() for f in files)
     wait_for(

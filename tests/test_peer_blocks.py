@@ -145,7 +145,7 @@ def test_prefix_is_pulled_from_the_peer_and_only_the_rest_is_computed(
     prefill(a, decode, first)
     second = prompt(smollm2_tokenizer, "gardens", "Name a tree, please.")
     common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y) // 16
-    assert 4 <= common < len(block_hashes(first, 16))
+    assert 4 <= common < len(block_hashes(first, 16, 0))
     before = b.remote_tokens()
     peer = msg.PeerPrefix("prefill-0", a.addr, common)
     result = prefill(b, decode, second, peer)

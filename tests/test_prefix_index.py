@@ -15,7 +15,7 @@ from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.redis_index import RedisPrefixIndex
 from tests.support.redis_process import RedisProcess
 
-H = block_hashes(list(range(64)), 16)  # four chained blocks
+H = block_hashes(list(range(64)), 16, 0)  # four chained blocks
 TTL_S = 100.0
 
 

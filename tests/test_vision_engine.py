@@ -104,12 +104,12 @@ def test_prefix_reuse_shares_blocks_for_the_same_image_only(vlm_path: str) -> No
 def test_block_hashes_cover_image_content() -> None:
     tokens = [7] * 4 + [99] * 16 + [8] * 12
     a, b = ImageSpan("a" * 32, 4, 16), ImageSpan("b" * 32, 4, 16)
-    text_only, with_a, with_b = (block_hashes(tokens, 8, images=s) for s in ([], [a], [b]))
-    assert with_a == block_hashes(tokens, 8, images=[a])
+    text_only, with_a, with_b = (block_hashes(tokens, 8, 0, images=s) for s in ([], [a], [b]))
+    assert with_a == block_hashes(tokens, 8, 0, images=[a])
     assert with_a[0] != with_b[0] and with_a[0] != text_only[0]
     assert all(x != y for x, y in zip(with_a, with_b))
-    before = block_hashes([7] * 8, 8, images=[ImageSpan("a" * 32, 8, 16)])
-    assert before == block_hashes([7] * 8, 8)
+    before = block_hashes([7] * 8, 8, 0, images=[ImageSpan("a" * 32, 8, 16)])
+    assert before == block_hashes([7] * 8, 8, 0)
 
 
 def test_decode_engine_recomputes_an_adopted_image_prompt_after_preemption(

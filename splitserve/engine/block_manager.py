@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from splitserve.engine.request import Request
-from splitserve.kvstore.hashing import ROOT_HASH, hash_block, image_extra
+from splitserve.kvstore.hashing import hash_block, image_extra
 
 PrefixLoader = Callable[[Sequence[int]], list[tuple[int, str]]]
 """Block hashes (a prompt's next uncached ones) -> (filled block id, tier it came from) for
@@ -32,8 +32,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, root: int
+    ) -> None:
+        """root: the hash chain's start (kvstore/hashing.py: hash_root)."""
         self.block_size = block_size
+        self.root = root
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -154,7 +158,7 @@ class BlockManager:
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens = req.all_token_ids
         spans = [image.span for image in req.images]
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else self.root
         for start in range(
             len(hashes) * self.block_size, len(tokens) - self.block_size + 1, self.block_size
         ):

@@ -28,6 +28,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images
+from splitserve.kvstore.hashing import hash_root
 
 
 @dataclass
@@ -72,8 +73,10 @@ class LLMEngine:
         )
         weights = None if is_random_shape(path) else path
         self.runner = ModelRunner(config, self.model_config, weights, self.max_model_len)
+        dtype = str(self.runner.dtype).removeprefix("torch.")
+        root = hash_root(config.model, dtype, config.block_size)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.prefix_cache = (

@@ -4,6 +4,12 @@ One pure function shared by the engine's block manager, the router and the block
 block i's hash covers its own token ids and, through the parent hash, every token before it.
 Hashes are unsigned 64-bit integers so they travel in msgpack and Redis keys unchanged.
 
+A chain starts at its deployment's root (``hash_root``), derived from the model's identity,
+the KV dtype and the block size: two models of one shape (or one model in two dtypes) that
+share a block store directory or a prefix index never read each other's KV. Everything that
+hashes for one deployment (the workers' block managers, their peer fetches, the API server's
+prefix lookups, which take the root the workers report) starts from the same root.
+
 Image placeholder tokens are all the same id, so token ids alone cannot tell two images
 apart: a block that overlaps an image also mixes in that image's content hash (``ImageSpan``),
 and every block after it inherits the difference through the chain. Two prompts that differ
@@ -16,8 +22,6 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-ROOT_HASH = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,13 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+def hash_root(model: str, dtype: str, block_size: int) -> int:
+    """The parent of a deployment's first block: model (its alias or path), the KV cache's
+    resolved dtype (``float32``, ``bfloat16``, ...) and the block size."""
+    key = f"splitserve-kv:{model}:{dtype}:{block_size}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def hash_block(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
@@ -54,14 +65,16 @@ def image_extra(images: Sequence[ImageSpan], start: int, end: int) -> bytes:
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
-    parent: int = ROOT_HASH,
+    root: int,
     extra: bytes = b"",
     images: Sequence[ImageSpan] = (),
 ) -> list[int]:
     """Chained hashes of every *full* block of token_ids (a trailing partial block has none).
 
-    images: the prompt's image spans; blocks overlapping one mix in its content hash."""
+    root: the chain's start (``hash_root``); images: the prompt's image spans, blocks
+    overlapping one mix in its content hash."""
     hashes: list[int] = []
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         parent = hash_block(parent, token_ids[start:end], extra + image_extra(images, start, end))

@@ -1,10 +1,10 @@
 """The router's view of the prefix index: how many leading blocks of a prompt each holder has.
 
-Hashes come from kvstore/hashing.py with the engine's block size, so they name the same
-blocks as the workers' block managers and stores. With a ``memory://`` index the index lives
-here and the workers' ``IndexUpdate`` messages are applied to it; with Redis the workers
-publish directly and this only reads. An unreachable index answers nothing, so routing falls
-back to load only.
+Hashes come from kvstore/hashing.py with the engine's block size and the hash root that the
+workers report, so they name the same blocks as the workers' block managers and stores. With
+a ``memory://`` index the index lives here and the workers' ``IndexUpdate`` messages are
+applied to it; with Redis the workers publish directly and this only reads. An unreachable
+index answers nothing, so routing falls back to load only.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ class PrefixLookup:
         self.index = index
         self.block_size = block_size
 
-    def cached_blocks(self, prompt_ids: Sequence[int]) -> dict[str, int]:
-        """Holder -> leading blocks of the prompt it has (in any tier)."""
-        hashes = block_hashes(prompt_ids, self.block_size)
+    def cached_blocks(self, prompt_ids: Sequence[int], root: int) -> dict[str, int]:
+        """Holder -> leading blocks of the prompt it has (in any tier); root: the hash chain's
+        start of the workers asked about (kvstore/hashing.py: hash_root)."""
+        hashes = block_hashes(prompt_ids, self.block_size, root)
         if not hashes:
             return {}
         return {

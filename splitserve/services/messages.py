@@ -250,6 +250,9 @@ class WorkerStats:
     outputs) and the worker's around it (idle, receive, reserve, adopt, worker, send, stats)."""
     loop_steps: int = 0
     """Engine steps taken since start."""
+    hash_root: int = 0
+    """The start of the worker's block hash chains (kvstore/hashing.py: hash_root; 0 for a
+    vision worker, which hashes no blocks)."""
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ class RequestExchange:
         prefills = self.pool.routable("prefill")
         visions = self.pool.routable("vision") if images is not None else []
         hashes = None if images is None else [image.image_hash for image in images.data]
-        cached = self._cached(prompt_ids)
+        cached = self._cached(prompt_ids, prefills or decodes)
         request = RouteRequest(request_id, prompt_ids, self.block_size, cached, hashes)
         pools = Pools(*(self._view(ws, now) for ws in (decodes, prefills, visions)))
         route = self.router.route(request, pools)
@@ -156,11 +156,15 @@ class RequestExchange:
         timeout = self.pool.heartbeat_timeout_s
         return [w.candidate(now, timeout) for w in workers]
 
-    def _cached(self, prompt_ids: list[int]) -> dict[str, int]:
-        """The prefix index's answer for the prompt, when the router has a use for it."""
+    def _cached(self, prompt_ids: list[int], workers: list[WorkerState]) -> dict[str, int]:
+        """The prefix index's answer for the prompt, when the router has a use for it, hashed
+        from the root the workers that compute prompts report (none while they disagree)."""
         if self.prefix is None or not self.router.wants_prefix(self.pool.count("prefill")):
             return {}
-        return self.prefix.cached_blocks(prompt_ids)
+        roots = {w.last_stats.hash_root for w in workers if w.last_stats is not None}
+        if len(roots) != 1:
+            return {}
+        return self.prefix.cached_blocks(prompt_ids, roots.pop())
 
     def _encode(
         self, tracked: Tracked, vision: WorkerState, request_id: str, images: PromptImages

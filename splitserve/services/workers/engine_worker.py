@@ -163,6 +163,7 @@ class EngineWorker(Worker):
             node_id=self.cache.node_id if self.cache is not None else "",
             loop_phases=self._loop_phases(),
             loop_steps=self.engine.num_steps,
+            hash_root=self.engine.block_manager.root,
         )
 
     def _loop_phases(self) -> list[msg.PhaseSeconds]:

@@ -185,7 +185,10 @@ class PeerFetches:
             return False
         block_size = self.engine.block_manager.block_size
         usable = (len(prefill.prompt_token_ids) - 1) // block_size
-        hashes = block_hashes(prefill.prompt_token_ids, block_size)[: min(peer.blocks, usable)]
+        root = self.engine.block_manager.root
+        hashes = block_hashes(prefill.prompt_token_ids, block_size, root)[
+            : min(peer.blocks, usable)
+        ]
         cached = self.engine.block_manager.cached
         start = 0
         while start < len(hashes) and hashes[start] in cached:
