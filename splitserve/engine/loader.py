@@ -6,7 +6,6 @@ each model file has a single ``load_weights``.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from splitserve.engine.gguf_file import GGUFFile, read_gguf
 from splitserve.engine.model_config import SHAPES, ModelConfig
 from splitserve.engine.tokenizer_cache import gguf_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
@@ -131,9 +131,9 @@ def load_model_config(path: str) -> ModelConfig:
     if is_random_shape(path):
         return SHAPES[path.removeprefix(SHAPE_PREFIX)]
     if is_gguf(path):
-        reader = _gguf_reader(path)
-        names = {t.name for t in reader.tensors}
-        return ModelConfig.from_gguf(_gguf_metadata(reader), "output.weight" in names)
+        file = read_gguf(path)
+        names = {t.name for t in file.tensors}
+        return ModelConfig.from_gguf(_gguf_metadata(file), "output.weight" in names)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     if config.get("model_type") in VISION_MODEL_TYPES:
@@ -179,41 +179,20 @@ def text_weights(
             yield inner, tensor
 
 
-def _gguf_reader(path: str) -> Any:
-    """The file's GGUFReader, parsed once per process and file version: gguf parses every
-    metadata field element by element (3.3 s for SmolLM2's 49k-token vocabulary on the 2-core
-    VM), and an engine reads the file twice (its config, then its weights)."""
-    stat = os.stat(path)
-    return _parsed_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_gguf(path: str, size: int, mtime_ns: int) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)  # read-only memory map: the cached reader's tensors never change
-
-
-def _gguf_metadata(reader: Any) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.tokens":
-            continue
-        if key == "tokenizer.ggml.tokens":
-            meta[key] = range(len(field.data))
-            continue
-        meta[key] = field.contents()
-    return meta
+def _gguf_metadata(file: GGUFFile) -> dict[str, Any]:
+    """The keys ModelConfig.from_gguf reads; of the vocabulary only its length."""
+    tokens = file.array_lengths.get("tokenizer.ggml.tokens", 0)
+    return {**file.metadata, "tokenizer.ggml.tokens": range(tokens)}
 
 
 def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(path)
-    for tensor in tqdm(reader.tensors, desc="Loading weights", unit="tensor", leave=False):
+    tensors = read_gguf(path).tensors
+    for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
         name = _hf_name(tensor.name)
         array = dequantize(tensor.data, tensor.tensor_type)
-        array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape.tolist()))))
+        array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape))))
         weight = torch.from_numpy(array.astype(np.float32))
         if config.architecture in ("llama", "mistral"):
             if name.endswith("q_proj.weight"):
