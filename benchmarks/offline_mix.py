@@ -14,35 +14,54 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 
+GPU_ENGINE = {
+    "dtype": "bfloat16",
+    "attention_backend": "triton",
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "gpu_memory_utilization": 0.85,
+}
+"""configs/gpu-colocated.yaml's engine."""
+CPU_ENGINE = {"max_num_seqs": 64, "max_model_len": 2048}
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def add_mix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="shape:llama3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
-    args = parser.parse_args()
-    gpu = args.device.startswith("cuda")
-    engine_args = (
-        {"dtype": "bfloat16", "attention_backend": "triton", "max_num_seqs": 256,
-         "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.85}
-        if gpu else {"max_num_seqs": 64, "max_model_len": 2048}
-    )  # fmt: skip
-    llm = LLM(args.model, device=args.device, **engine_args)
+
+
+def engine_args(device: str) -> dict[str, Any]:
+    return dict(GPU_ENGINE if device.startswith("cuda") else CPU_ENGINE)
+
+
+def warm_mix(llm: LLM, args: argparse.Namespace) -> tuple[list[list[int]], SamplingParams]:
+    """The mix's random prompts and greedy ignore-eos params, after a warm-up batch on
+    prompts of its own (the timed prompts must not find their KV cached)."""
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    # Warm-up prompts of their own: the timed prompts must not find their KV cached.
     warm = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(8)]
     llm.generate(warm, params, use_tqdm=False)
+    return prompts, params
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_mix_arguments(parser)
+    args = parser.parse_args()
+    llm = LLM(args.model, device=args.device, **engine_args(args.device))
+    prompts, params = warm_mix(llm, args)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

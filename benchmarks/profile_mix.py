@@ -16,7 +16,6 @@ import cProfile
 import io
 import json
 import pstats
-import random
 import statistics
 import sys
 import time
@@ -26,33 +25,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.offline_mix import add_mix_arguments, engine_args, warm_mix
 from splitserve.engine.llm import LLM
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledBatch
-
-GPU_ENGINE = {
-    "dtype": "bfloat16",
-    "attention_backend": "triton",
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,
-    "gpu_memory_utilization": 0.85,
-}
 
 
 def main() -> int:
     args = _parse()
-    engine_args: dict[str, Any] = dict(GPU_ENGINE) if args.device == "cuda" else {}
+    settings = engine_args(args.device)
     for item in args.overrides:
         key, value = item.split("=", 1)
-        engine_args[key] = _value(value)
-    llm = LLM(args.model, device=args.device, **engine_args)
+        settings[key] = _value(value)
+    llm = LLM(args.model, device=args.device, **settings)
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    warm = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(8)]
-    llm.generate(warm, params, use_tqdm=False)  # prompts of its own: nothing timed is cached
+    prompts, params = warm_mix(llm, args)
 
     kinds: list[tuple[str, int]] = []
     schedule = engine.scheduler.schedule
@@ -84,7 +70,7 @@ def main() -> int:
     profiler.disable()
     seconds = time.perf_counter() - start
     result = {
-        "config": {**vars(args), "engine": engine_args},
+        "config": {**vars(args), "engine": settings},
         "seconds": seconds,
         "output_tokens": tokens,
         "output_throughput": tokens / seconds,
@@ -124,11 +110,7 @@ def _value(text: str) -> Any:
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="shape:llama3-8b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=128)
+    add_mix_arguments(parser)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--json", action="store_true")

@@ -77,23 +77,28 @@ class PrefixCache:
         """Copy the blocks committed since the last flush to the store (after a step): at once
         on CPU; on CUDA the copy runs on its own stream and the StoreWriter thread puts it
         into the store once it has landed. wait: return once every copy is in the store."""
-        limit = None if self.store is None else self.store.max_blocks(self._block_bytes)
-        if limit is not None:
-            self._pending = self._pending[-limit:] if limit else []
-        if self._pending and self.store is not None:
-            pending, self._pending = self._pending, []
-            copy = self.runner.blocks_to_host([block_id for _, block_id, _ in pending])
-            blocks = [(block_hash, traffic_class) for block_hash, _, traffic_class in pending]
-            if copy.done is None:
-                for i, (block_hash, traffic_class) in enumerate(blocks):
-                    self.store.put(block_hash, copy.tensor[i], traffic_class)
-            else:
-                if self._writer is None:
-                    self._writer = StoreWriter(self.store)
-                self._writer.submit(blocks, copy)
-        self._pending = []
+        pending, self._pending = self._pending, []  # filled only when there is a store
+        if pending and self.store is not None:
+            self._copy_out(self.store, pending)
         if wait and self._writer is not None:
             self._writer.drain()
+
+    def _copy_out(self, store: BlockCache, pending: list[tuple[int, int, str | None]]) -> None:
+        """The newest of ``pending`` that the store keeps, copied out and put into it."""
+        limit = store.max_blocks(self._block_bytes)
+        if limit is not None:
+            pending = pending[-limit:] if limit else []
+        if not pending:
+            return
+        copy = self.runner.blocks_to_host([block_id for _, block_id, _ in pending])
+        blocks = [(block_hash, traffic_class) for block_hash, _, traffic_class in pending]
+        if copy.done is None:
+            for i, (block_hash, traffic_class) in enumerate(blocks):
+                store.put(block_hash, copy.tensor[i], traffic_class)
+            return
+        if self._writer is None:
+            self._writer = StoreWriter(store)
+        self._writer.submit(blocks, copy)
 
     def _committed(self, block_hash: int, block_id: int, req: Request) -> None:
         if self.store is not None:
