@@ -88,9 +88,26 @@ def refused(
 
 
 def free_blocks(api: ApiEnd) -> int:
-    stats = api.latest_stats()
+    """The decode worker's free blocks once it is idle and its stats show it."""
+    api.wait("the worker's stats while idle", api.idle_stats, TIMEOUT_S)
+    stats = api.idle_stats()
     assert stats is not None
     return stats.num_free_blocks
+
+
+def wait_freed(api: ApiEnd, free: int) -> None:
+    """Wait until the worker's idle stats show ``free`` blocks free again."""
+
+    def freed() -> bool:
+        stats = api.idle_stats()
+        return stats is not None and stats.num_free_blocks == free
+
+    try:
+        api.wait(f"the reservation's blocks freed ({free} free)", freed, 5)
+    except AssertionError as exc:
+        stats = api.latest_stats()
+        shown = stats and (stats.num_free_blocks, stats.num_running, stats.num_waiting)
+        raise AssertionError(f"{exc}; latest stats (free, running, waiting): {shown}") from None
 
 
 def test_a_header_within_its_reservation_is_received_and_decoded(
@@ -114,7 +131,7 @@ def test_a_dtype_outside_the_allow_list_fails_the_request_and_the_next_is_served
     expected = "KV for bad-dtype from prefill-0 refused: dtype 'int64' is not one of "
     expected += "['bfloat16', 'float16', 'float32']"
     assert api.errors["bad-dtype"] == msg.RequestError("bad-dtype", expected, 503)
-    api.wait("the reservation's blocks freed", lambda: free_blocks(api) == free, 5)
+    wait_freed(api, free)
     serve(cluster, reference, 5)
 
 
@@ -133,7 +150,7 @@ def test_a_shape_larger_than_the_reservation_is_refused_without_allocating_it(
     expected = f"KV for too-big from prefill-0 refused: shape {claimed} announced, "
     expected += f"{reserved} reserved"
     assert api.errors["too-big"] == msg.RequestError("too-big", expected, 503)
-    api.wait("the reservation's blocks freed", lambda: free_blocks(api) == free, 5)
+    wait_freed(api, free)
     serve(cluster, reference, 8)
 
 
@@ -157,7 +174,7 @@ def test_the_late_kv_of_an_aborted_reservation_is_received_and_the_channel_kept(
     ids = prompt(12)
     reserve(api, "aborted", ids)
     api.send(msg.AbortRequest(["aborted"]))
-    api.wait("the reservation's blocks freed", lambda: free_blocks(api) == free, 5)
+    wait_freed(api, free)
     received = worker.transport.bytes_received
     kv, first = prefilled(reference, ids)
     prefill.send("aborted", kv, first, list(kv.shape), "float32")

@@ -57,6 +57,18 @@ class ApiEnd:
         stats = [m for m in self.seen if isinstance(m, msg.WorkerStats)]
         return stats[-1] if stats else None
 
+    def idle_stats(self) -> msg.WorkerStats | None:
+        """The latest stats sent after the last output batch and showing nothing running or
+        waiting (None until one arrives): the worker's loop sends a round's outputs before its
+        stats, so only these show the blocks of the requests that just finished freed."""
+        for message in reversed(self.seen):
+            if isinstance(message, msg.OutputBatch):
+                return None
+            if isinstance(message, msg.WorkerStats):
+                idle = message.num_running == 0 and message.num_waiting == 0
+                return message if idle else None
+        return None
+
     def failed_workers(self) -> list[msg.WorkerFailed]:
         return [m for m in self.seen if isinstance(m, msg.WorkerFailed)]
 
