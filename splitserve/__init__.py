@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "splitserve.engine.llm",
     "LLMEngine": "splitserve.engine.llm_engine",
     "SamplingParams": "splitserve.engine.sampling_params",
+    "StructuredOutputsParams": "splitserve.engine.sampling_params",
     "RequestOutput": "splitserve.engine.request",
 }
 

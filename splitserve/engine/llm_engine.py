@@ -5,8 +5,9 @@ No HTTP, Ray or sockets here; workers wrap this class and the offline ``LLM`` dr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
@@ -24,11 +25,17 @@ from splitserve.engine.phases import PhaseTimer
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput
 from splitserve.engine.sampler import Sampler, SampleResult
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images
 from splitserve.kvstore.hashing import hash_root
+
+if TYPE_CHECKING:
+    from splitserve.engine.structured.grammar import GrammarCompiler
+    from splitserve.engine.structured.matcher import RequestGrammar
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,6 +98,7 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self._inflight: InflightStep | None = None
+        self._grammars: GrammarCompiler | None = None
         self.num_overlapped_steps = 0
         self.num_steps = 0
         self.phases = PhaseTimer()
@@ -138,7 +146,21 @@ class LLMEngine:
         self._validate(token_ids, params)
         images = sorted(images or [], key=lambda i: i.span.offset)
         check_images(token_ids, images, self.image_token_id, self.model_config.hidden_size)
-        return Request(request_id, token_ids, params, text, self.eos_token_ids, images)
+        req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
+        if params.structured_outputs is not None:
+            req.grammar = self._grammar(params.structured_outputs)
+        return req
+
+    def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher of the constraint, compiled once per content (GrammarError, a
+        ValueError, if it cannot be used). xgrammar loads with the first constraint."""
+        from splitserve.engine.structured.grammar import GrammarCompiler
+        from splitserve.engine.structured.matcher import RequestGrammar
+
+        if self._grammars is None:
+            vocab = self.model_config.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, list(self.eos_token_ids))
+        return RequestGrammar(self._grammars.compile(spec))
 
     def _register(self, req: Request) -> None:
         params = req.params
@@ -284,7 +306,8 @@ class LLMEngine:
         detok = self.detokenizers[req.request_id]
         past_min = req.num_output_tokens > params.min_tokens
         stop_string = detok.add(token, check_stop=past_min or not params.min_tokens)
-        if token in self.eos_token_ids and not params.ignore_eos:
+        grammar_done = req.grammar is not None and self._advance_grammar(req, token)
+        if grammar_done or (token in self.eos_token_ids and not params.ignore_eos):
             req.finish("stop")
         elif token in params.stop_token_ids:
             req.finish("stop", token)
@@ -299,6 +322,16 @@ class LLMEngine:
             if stop_string is None:
                 detok.flush()
             self.scheduler.finish(req)
+
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Feed the token to the request's matcher; True once nothing more may follow (the
+        constraint complete and its stop token taken, or a token it refuses: one sampled
+        elsewhere without the constraint, logged)."""
+        assert req.grammar is not None
+        if not req.grammar.accept(token):
+            log.error("request %s: token %d breaks its constraint", req.request_id, token)
+            return True
+        return req.grammar.is_terminated
 
     def _output(self, req: Request) -> RequestOutput:
         detok = self.detokenizers[req.request_id]

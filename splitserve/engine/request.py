@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.multimodal import ImageInput
+
+if TYPE_CHECKING:
+    from splitserve.engine.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -88,6 +92,8 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_text = ""
+        self.grammar: RequestGrammar | None = None
+        """The matcher of params.structured_outputs (engine/structured/), set by the engine."""
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()

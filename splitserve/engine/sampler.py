@@ -1,7 +1,8 @@
 """Token selection: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
 Rows with a seed draw from their own generator, so a seeded request samples the same tokens
-whatever else shares its batch. Logprobs are those of the raw model distribution.
+whatever else shares its batch. A request with structured outputs has the tokens its grammar
+forbids masked first. Logprobs are those of the model distribution after that mask.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
-        """logits: [len(reqs), vocab] float32 on any device."""
+        """logits: [len(reqs), vocab] float32 on any device (masked in place where a
+        request's grammar forbids tokens)."""
+        if any(r.grammar is not None for r in reqs):
+            from splitserve.engine.structured.matcher import apply_masks
+
+            apply_masks(logits, [r.grammar for r in reqs])
         if all(plain_greedy(r) for r in reqs):
             return [SampleResult(t) for t in greedy_tokens(logits).tolist()]
         logits = logits.float().cpu()

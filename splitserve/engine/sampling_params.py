@@ -7,6 +7,45 @@ loading the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, exactly one of (vLLM's ``structured_outputs``):
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object;
+    regex: a regular expression the whole output matches; choice: one of these strings;
+    grammar: an EBNF grammar as xgrammar reads it (GBNF, ``root ::= ...``).
+    The output matches from its first token; decoding stops when the constraint is complete.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        _check(
+            len(given) == 1,
+            "structured_outputs needs exactly one of json, json_object, regex, choice, grammar"
+            + (f" (got {', '.join(given)})" if given else ""),
+        )
+        if self.choice is not None:
+            _check(
+                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+            )
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -34,6 +73,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
