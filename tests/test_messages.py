@@ -9,7 +9,7 @@ import sys
 import msgpack
 import pytest
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.services import messages as msg
 
 
@@ -20,6 +20,45 @@ def test_generate_request_round_trips_with_sampling_params() -> None:
     assert decoded == message
     assert isinstance(decoded, msg.GenerateRequest)
     assert isinstance(decoded.params, SamplingParams)
+
+
+STRUCTURED = [
+    StructuredOutputsParams(
+        json={
+            "type": "object",
+            "properties": {"a": {"type": "array", "items": {"enum": [1, 2.5, None, True]}}},
+            "required": ["a"],
+        }
+    ),
+    StructuredOutputsParams(json='{"type": "integer", "minimum": 3}'),
+    StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(regex=r"\d{3}-[a-z]+"),
+    StructuredOutputsParams(choice=["yes", "no", "é"]),
+    StructuredOutputsParams(grammar='root ::= "a" | "b"'),
+]
+
+
+@pytest.mark.parametrize("spec", STRUCTURED, ids=[s.kind for s in STRUCTURED])
+def test_structured_outputs_round_trip_in_every_request_message(
+    spec: StructuredOutputsParams,
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=spec)
+    for message in (
+        msg.GenerateRequest("r", [1, 2], params),
+        msg.Reserve("r", [1, 2], params, "prefill-0"),
+        msg.Prefill("r", [1, 2], params, "decode-0", "tcp://127.0.0.1:5555"),
+    ):
+        decoded = msg.decode(msg.encode(message))
+        assert decoded == message
+        assert isinstance(decoded.params.structured_outputs, StructuredOutputsParams)  # type: ignore[union-attr]
+
+
+def test_structured_outputs_of_two_kinds_are_refused_on_decode() -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    raw = msgpack.unpackb(msg.encode(msg.GenerateRequest("r", [1], params)))
+    raw[1][2][-1][3] = 'root ::= "a"'  # grammar beside the regex
+    with pytest.raises(ValueError, match="exactly one"):
+        msg.decode(msgpack.packb(raw))
 
 
 def test_output_batch_round_trips_nested_deltas_and_errors() -> None:
