@@ -8,37 +8,11 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
+from tests.support.handoff import disaggregated
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [f"Question {i}: name a colour and a number {'please ' * (i % 7)}" for i in range(12)]
-
-
-def _disaggregated(
-    prefill: LLMEngine, decode: LLMEngine, prompts: list[str], params: SamplingParams
-) -> dict[str, list[int]]:
-    """Drive both engines by hand, moving each prompt's KV as soon as it is prefilled."""
-    free_before = decode.block_manager.num_free_blocks
-    for index, prompt in enumerate(prompts):
-        ids = prefill.tokenizer.encode(prompt)
-        assert decode.handoff.reserve(str(index), ids, params)
-        prefill.add_request(str(index), ids, params, prefill_only=True)
-    tokens: dict[str, list[int]] = {}
-    while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
-        for output in prefill.step():
-            handed = prefill.handoff.pop_prefilled(output.request_id)
-            buffer = decode.handoff.receive_buffer(output.request_id)
-            assert buffer.shape == handed.kv.shape
-            buffer.copy_(handed.kv)
-            first = decode.handoff.adopt(
-                output.request_id, buffer, handed.first_token, handed.logprobs
-            )
-            tokens[first.request_id] = first.outputs[0].token_ids
-        for output in decode.step():
-            tokens[output.request_id] = output.outputs[0].token_ids
-    assert decode.block_manager.num_free_blocks == free_before
-    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +34,7 @@ def test_handoff_outputs_equal_colocated(
 ) -> None:
     colocated = smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
     prefill, decode = engine_pair
-    tokens = _disaggregated(prefill, decode, PROMPTS, params)
+    tokens = disaggregated(prefill, decode, PROMPTS, params)
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == [
         o.outputs[0].token_ids for o in colocated
     ]

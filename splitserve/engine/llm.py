@@ -48,37 +48,38 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A list of ints is one tokenized prompt."""
-        params = params or SamplingParams()
+        """One RequestOutput per prompt, in order. A list of ints is one tokenized prompt;
+        params: one for all prompts, or one per prompt."""
         batch = _as_prompt_list(prompts)
         request_ids = []
-        for prompt in batch:
+        for prompt, prompt_params in zip(batch, _per_prompt(params, len(batch)), strict=True):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, prompt_params)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate.
+        params: one for all conversations, or one per conversation.
 
         Messages may hold image content parts (engine/vision/chat_images.py) for a vision-language
         model: each image is encoded here and its embeddings fill its placeholder tokens."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        params = params or SamplingParams()
         request_ids = []
-        for conversation in conversations:
+        each = _per_prompt(params, len(conversations))
+        for conversation, conversation_params in zip(conversations, each, strict=True):
             rendered, pictures = split_images(conversation)  # type: ignore[arg-type]
             prompt, images = self._with_images(self.apply_chat_template(rendered), pictures)
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, params, images=images)
+            self.engine.add_request(request_id, prompt, conversation_params, images=images)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -115,6 +116,16 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         return [done[request_id] for request_id in request_ids]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -129,7 +129,7 @@ def _check_schema(schema: Any) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise GrammarError(f"invalid JSON schema: {exc.message}") from None
+        raise GrammarError(f"invalid JSON schema: {exc.message} (at {exc.json_path})") from None
     _check_keywords(schema, "#")
 
 
