@@ -265,7 +265,11 @@ def test_the_overlapped_engine_gives_the_same_constrained_outputs(
     overlapped: LLM, greedy_texts: list[str]
 ) -> None:
     assert run_cases(overlapped, lambda spec: greedy(120, **spec)) == greedy_texts
-    assert overlapped.engine.num_overlapped_steps > 0  # the free request's steps overlapped
+    before = overlapped.engine.num_overlapped_steps
+    alone = overlapped.generate(ASK, greedy(40, json=PERSON), use_tqdm=False)[0].outputs[0]
+    # Every decode step of a constrained request alone overlapped: one per token after the
+    # prefill step's, and one launched before the last token was read (its token dropped).
+    assert overlapped.engine.num_overlapped_steps - before == len(alone.token_ids)
 
 
 def test_constrained_requests_through_the_handoff_equal_colocated(

@@ -228,13 +228,7 @@ class LLMEngine:
             return []
         self.num_steps += 1
         if max_batch and is_decode_batch(batch, max_batch):
-            self._inflight = self.runner.launch_decode(batch, inflight)
-            self.num_overlapped_steps += 1
-            for req in batch.requests:
-                req.num_computed_tokens += 1
-                req.num_pending += 1
-            phases.lap("forward")
-            return self._read(inflight) if inflight is not None else []
+            return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)
         results = self.sampler(logits, [batch.requests[i] for i in sampled])
@@ -251,6 +245,27 @@ class LLMEngine:
             self._append(req, result)
             outputs.append(self._output(req))
         phases.lap("outputs")
+        return outputs
+
+    def _overlap(self, batch: ScheduledBatch, inflight: InflightStep | None) -> list[RequestOutput]:
+        """Launch a decode step, then read the step launched before it. With grammars in the
+        batch the step's argmax waits for that read: the masks need the tokens it appends."""
+        constrained = any(req.grammar is not None for req in batch.requests)
+        if constrained:
+            logits = self.runner.launch_logits(batch, inflight)
+        else:
+            self._inflight = self.runner.launch_decode(batch, inflight)
+        self.num_overlapped_steps += 1
+        for req in batch.requests:
+            req.num_computed_tokens += 1
+            req.num_pending += 1
+        self.phases.lap("forward")
+        outputs = self._read(inflight) if inflight is not None else []
+        if constrained:
+            # A request that finished in the read keeps its row unmasked; its token is dropped.
+            grammars = [None if req.is_finished else req.grammar for req in batch.requests]
+            self._inflight = self.runner.launch_masked(batch, logits, grammars)
+            self.phases.lap("mask")
         return outputs
 
     def _hand_over(self, req: Request, result: SampleResult) -> RequestOutput:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +17,13 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
+from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
+
+if TYPE_CHECKING:
+    from splitserve.engine.structured.matcher import RequestGrammar
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,6 +157,27 @@ class ModelRunner:
         stays on the device (inputs for the next step) and its copy to the host is queued."""
         assert self.overlapped is not None
         return InflightStep.start(batch, self.overlapped.run_greedy(batch, prev))
+
+    @torch.inference_mode()
+    def launch_logits(self, batch: ScheduledBatch, prev: InflightStep | None) -> torch.Tensor:
+        """Start a decode step like ``launch_decode`` but stop at its logits, which a grammar
+        masks (``launch_masked``) once the host knows the tokens of the step before."""
+        assert self.overlapped is not None
+        return self.overlapped.run(batch, prev)[0]
+
+    @torch.inference_mode()
+    def launch_masked(
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        grammars: Sequence[RequestGrammar | None],
+    ) -> InflightStep:
+        """The argmax of a launched step's logits under its requests' grammars, left on the
+        device for the next step, its copy to the host queued."""
+        from splitserve.engine.structured.matcher import apply_masks
+
+        apply_masks(logits, grammars)
+        return InflightStep.start(batch, greedy_tokens(logits))
 
     def _prepare(
         self, batch: ScheduledBatch, image_segments: list[tuple[int, Request, int, int]]

@@ -4,9 +4,13 @@ Only decode steps of plain greedy requests overlap: their next token is an argma
 takes itself, so step N's sampled tokens can feed step N+1's inputs without the host reading
 them first. The host reads them one step later, from one copy into pinned memory, to append
 them, detokenize and check stops. Anything else (a prompt to compute, a new request, logprobs,
-penalties, random sampling, a grammar, too few free blocks) first waits for the step in flight
-and then runs synchronously, so the synchronous engine is the only one that ever sees those
-cases.
+penalties, random sampling, too few free blocks) first waits for the step in flight and then
+runs synchronously, so the synchronous engine is the only one that ever sees those cases.
+
+A step with structured-output requests overlaps too, in two launches: the step's logits first;
+then, once the host has read step N's tokens and advanced the grammars with them (while the
+device computes N+1's logits), the batch's grammar bitmask, applied on the device before the
+argmax.
 
 A request found finished in step N has already been put into step N+1. Its extra token is
 dropped when N+1 is read; the KV slot that N+1 wrote is one of the request's own blocks (its
@@ -59,10 +63,9 @@ class InflightStep:
 
 
 def overlappable(req: Request) -> bool:
-    """The device alone can choose this request's next token (a plain argmax, no grammar)."""
-    return (
-        plain_greedy(req) and req.grammar is None and not req.prefill_only and not req.is_finished
-    )
+    """The device can choose this request's next token: a plain argmax (under the request's
+    grammar mask, filled by the host while the device computes the step's logits)."""
+    return plain_greedy(req) and not req.prefill_only and not req.is_finished
 
 
 def is_decode_batch(batch: ScheduledBatch, max_batch: int) -> bool:
