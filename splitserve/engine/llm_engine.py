@@ -98,7 +98,8 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self._inflight: InflightStep | None = None
-        self._grammars: GrammarCompiler | None = None
+        self.grammar_compiler: GrammarCompiler | None = None
+        """Compiles structured-output constraints against the vocabulary (on first use)."""
         self.num_overlapped_steps = 0
         self.num_steps = 0
         self.phases = PhaseTimer()
@@ -157,10 +158,11 @@ class LLMEngine:
         from splitserve.engine.structured.grammar import GrammarCompiler
         from splitserve.engine.structured.matcher import RequestGrammar
 
-        if self._grammars is None:
+        if self.grammar_compiler is None:
             vocab = self.model_config.vocab_size
-            self._grammars = GrammarCompiler(self.tokenizer, vocab, list(self.eos_token_ids))
-        return RequestGrammar(self._grammars.compile(spec))
+            eos = list(self.eos_token_ids)
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, vocab, eos)
+        return RequestGrammar(self.grammar_compiler.compile(spec))
 
     def _register(self, req: Request) -> None:
         params = req.params

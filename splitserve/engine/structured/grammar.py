@@ -17,6 +17,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from splitserve.engine.loader import NumericTokenizer
 from splitserve.engine.sampling_params import StructuredOutputsParams
 
 MAX_SOURCE_BYTES = 64 << 10
@@ -162,10 +163,27 @@ class GrammarCompiler:
     grammars are kept by their canonical text. Thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
-        )
-        self.vocab_size = vocab_size
+        """tokenizer: a Hugging Face tokenizer, or a random shape's NumericTokenizer (whose
+        token i is the text " i")."""
+        if isinstance(tokenizer, NumericTokenizer):
+            words = [f" {i}" for i in range(vocab_size)]
+            info = xgr.TokenizerInfo(words, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        else:
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+            )
+        self._start(info)
+
+    @classmethod
+    def from_vocabulary(cls, tokens: list[bytes], stop_token_ids: list[int]) -> GrammarCompiler:
+        """A compiler for a vocabulary given as each token's bytes (a synthetic vocabulary
+        for a random shape, in benchmarks)."""
+        compiler = cls.__new__(cls)
+        compiler._start(xgr.TokenizerInfo(tokens, stop_token_ids=stop_token_ids))
+        return compiler
+
+    def _start(self, info: xgr.TokenizerInfo) -> None:
+        self.vocab_size = info.vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
