@@ -6,6 +6,7 @@ No HTTP, Ray or sockets here; workers wrap this class and the offline ``LLM`` dr
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from splitserve.engine.vision.multimodal import ImageInput, check_images
 from splitserve.kvstore.hashing import hash_root
 
 if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
     from splitserve.engine.structured.grammar import GrammarCompiler
     from splitserve.engine.structured.matcher import RequestGrammar
 
@@ -99,6 +102,7 @@ class LLMEngine:
         self.generation_tokens = 0
         self._inflight: InflightStep | None = None
         self.grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         """Compiles structured-output constraints against the vocabulary (on first use)."""
         self.num_overlapped_steps = 0
         self.num_steps = 0
@@ -155,14 +159,22 @@ class LLMEngine:
     def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher of the constraint, compiled once per content (GrammarError, a
         ValueError, if it cannot be used). xgrammar loads with the first constraint."""
-        from splitserve.engine.structured.grammar import GrammarCompiler
         from splitserve.engine.structured.matcher import RequestGrammar
 
-        if self.grammar_compiler is None:
-            vocab = self.model_config.vocab_size
-            eos = list(self.eos_token_ids)
-            self.grammar_compiler = GrammarCompiler(self.tokenizer, vocab, eos)
-        return RequestGrammar(self.grammar_compiler.compile(spec))
+        return RequestGrammar(self.compile_grammar(spec))
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The constraint compiled against this engine's vocabulary, into the cache that
+        ``add_request`` reads (GrammarError if it cannot be used). Thread-safe: a worker
+        compiles on a thread of its own before it adds the request."""
+        from splitserve.engine.structured.grammar import GrammarCompiler
+
+        with self._grammar_lock:
+            if self.grammar_compiler is None:
+                vocab = self.model_config.vocab_size
+                eos = list(self.eos_token_ids)
+                self.grammar_compiler = GrammarCompiler(self.tokenizer, vocab, eos)
+        return self.grammar_compiler.compile(spec)
 
     def _register(self, req: Request) -> None:
         params = req.params

@@ -193,8 +193,13 @@ class Worker(ABC):
                     message = msg.decode(data)
                 except ValueError:
                     continue  # not a message of ours (peers write here too): dropped
-                self._handle(message)
+                if not self._defer(message):
+                    self._handle(message)
         self.phases.lap("receive")
+
+    def _defer(self, message: msg.Message) -> bool:
+        """True to keep the message from ``_handle`` for now (a subclass hands it on later)."""
+        return False
 
     def _collect_async_errors(self) -> None:
         while not self._async_errors.empty():

@@ -16,8 +16,12 @@ from typing import Any
 from splitserve.engine.request import Logprob, RequestOutput
 from splitserve.services import messages as msg
 from splitserve.services.workers.base import Worker
+from splitserve.services.workers.grammar_waits import GrammarWaits
 from splitserve.services.workers.spec import WorkerSpec
 from splitserve.services.workers.worker_cache import WorkerCache
+
+GRAMMAR_POLL_MS = 5
+"""How often an idle worker looks for a finished grammar compile."""
 
 
 class EngineWorker(Worker):
@@ -47,6 +51,7 @@ class EngineWorker(Worker):
             )
         else:
             self.engine = LLMEngine(spec.engine)
+        self.grammars = GrammarWaits(self.engine.compile_grammar)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         warm_up = self.engine.runner.warm_up_seconds
@@ -55,6 +60,7 @@ class EngineWorker(Worker):
 
     def stop(self) -> None:
         super().stop()
+        self.grammars.close()
         if self.cache is not None:
             self.cache.close()
 
@@ -65,7 +71,24 @@ class EngineWorker(Worker):
                 self._send(update)
 
     def _poll_ms(self) -> int:
-        return 0 if self.engine.has_unfinished_requests() else super()._poll_ms()
+        if self.engine.has_unfinished_requests():
+            return 0
+        return GRAMMAR_POLL_MS if self.grammars.held() else super()._poll_ms()
+
+    def _defer(self, message: msg.Message) -> bool:
+        """A request with a constraint not compiled yet waits for it (grammar_waits.py)."""
+        if isinstance(message, msg.AbortRequest):
+            self.grammars.discard(message.request_ids)
+            return False
+        return self.grammars.hold(message)
+
+    def _drain(self, timeout_ms: int) -> None:
+        super()._drain(timeout_ms)
+        for request_id, message, error in self.grammars.ready():
+            if error is None:
+                self._handle(message)
+            else:
+                self._errors.append(msg.RequestError(request_id, str(error)))
 
     def _handle(self, message: msg.Message) -> None:
         if isinstance(message, msg.GenerateRequest):
@@ -90,7 +113,7 @@ class EngineWorker(Worker):
         self._last_stats = 0.0
 
     def _held(self) -> list[str]:
-        return list(self._sent)
+        return self.grammars.held() + list(self._sent)
 
     def _tick(self) -> None:
         self._send_outputs(self._step())
