@@ -46,6 +46,9 @@ class ServerConfig:
     internal_host: str = "127.0.0.1"
     log_level: str = "warning"
     heartbeat_timeout_s: float = 15.0
+    grammar_timeout_s: float = 5.0
+    """The longest a request's structured-output constraint may take to compile in the API
+    server (half the engine's own bound, so what the API accepts compiles on a worker)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -55,6 +58,7 @@ class ServerConfig:
         _require(self.max_queue >= 1, "server.max_queue must be at least 1")
         _require(all(self.api_keys), "server.api_keys must not contain empty keys")
         _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
+        _require(self.grammar_timeout_s > 0, "server.grammar_timeout_s must be positive")
 
 
 @dataclass(frozen=True)

@@ -99,12 +99,12 @@ def test_an_unsupported_field_is_400_naming_it(client: openai.OpenAI) -> None:
             model=MODEL,
             messages=CHAT,  # type: ignore[arg-type]
             max_tokens=2,
-            response_format={"type": "json_object"},
+            logit_bias={"50256": -100},
         )
     assert error_of(info.value) == {
-        "message": "response_format is not supported by this server",
+        "message": "logit_bias is not supported by this server",
         "type": "invalid_request_error",
-        "param": "response_format",
+        "param": "logit_bias",
         "code": "unsupported_parameter",
     }
     assert_still_serving(client)

@@ -96,11 +96,10 @@ def test_the_largest_values_that_fit_are_accepted(client: TestClient) -> None:
 
 
 UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}),
     ("logit_bias", {"50256": -100}),
     ("guided_json", {"type": "object"}),
+    ("functions", [{"name": "f"}]),
+    ("parallel_tool_calls", False),
 ]
 
 
@@ -126,6 +125,127 @@ def test_unsupported_fields_set_to_ask_for_nothing_and_unknown_fields_are_accept
         "store": False,
     }
     assert client.post("/chat", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")],
+)
+def test_tools_on_completions_are_400_unsupported(
+    client: TestClient, field: str, value: Any
+) -> None:
+    response = client.post("/completions", json={"model": "m", "prompt": "a", field: value})
+    message = f"{field} is not supported by this server"
+    assert response.json() == error(field, message, "unsupported_parameter")
+
+
+FN = {"type": "function", "function": {"name": "f"}}
+BAD_SHAPES = [
+    (
+        {"response_format": {"type": "json_schema"}},
+        "response_format",
+        "response_format: json_schema is required with type json_schema, and only then",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+        "response_format.json_schema.name: Field required",
+    ),
+    (
+        {"structured_outputs": {"regex": "a", "structural_tag": "x"}},
+        "structured_outputs.structural_tag",
+        "structured_outputs.structural_tag: Extra inputs are not permitted",
+    ),
+    (
+        {"structured_outputs": {}},
+        "structured_outputs",
+        "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+    ),
+    (
+        {"structured_outputs": {"choice": ["a", ""]}},
+        "structured_outputs",
+        "structured_outputs.choice must be a non-empty list of non-empty strings",
+    ),
+    (
+        {"tools": [FN, FN]},
+        "tools",
+        "tools: two tools have the same function name",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+        "tools.0.function.name",
+        "tools.0.function.name: String should match pattern '^[a-zA-Z0-9_-]{1,64}$'",
+    ),
+    (
+        {"tools": [FN], "tool_choice": "required", "structured_outputs": {"regex": "a"}},
+        "tool_choice",
+        "tool_choice required or a function cannot be combined with response_format or "
+        "structured_outputs",
+    ),
+    (
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "tool_choice",
+        "tool_choice required or a function needs tools",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": None}]},
+        "messages.0",
+        "messages.0: content is required (null only for assistant tool_calls)",
+    ),
+    (
+        {"messages": [{"role": "tool", "content": "18 degrees"}]},
+        "messages.0",
+        "messages.0: a tool message needs the tool_call_id it answers",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages.0",
+        "messages.0: only assistant messages have tool_calls",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "param", "message"), BAD_SHAPES)
+def test_a_malformed_structured_output_or_tool_field_is_400_naming_it(
+    client: TestClient, change: dict[str, Any], param: str, message: str
+) -> None:
+    response = client.post("/chat", json={"model": "m", "messages": CHAT, **change})
+    assert (response.status_code, response.json()) == (400, error(param, message))
+
+
+def test_tool_calls_and_results_become_chat_template_messages() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+            ],
+        }
+    )
+    assert [m.template_message() for m in body.messages] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": {"a": 1}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+    ]
 
 
 def test_a_model_level_check_names_its_field(client: TestClient) -> None:

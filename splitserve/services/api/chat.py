@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the chat template runs here, in the API server."""
+"""POST /v1/chat/completions: the chat template runs here, in the API server; tool calls are
+read out of the output here too (tools.py, tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,46 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.protocol import ChatCompletionRequest, ChatMessage
 from splitserve.services.api.request_group import EngineRequestError, RequestGroup
+from splitserve.services.api.tool_calls import Event, message, stream_delta
+from splitserve.services.api.tools import ToolPlan
 from splitserve.services.api.vision_prompt import check_images, with_images
 from splitserve.services.messages import TokenLogprob
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """Apply the model's chat template and tokenize, exactly as ``LLM.chat`` does."""
-    conversation = [{"role": m.role, "content": m.template_content()} for m in messages]
+def render_chat(
+    tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Apply the model's chat template and tokenize, exactly as ``LLM.chat`` does; the tools
+    go to the template, which renders them if it knows how."""
+    conversation = [m.template_message() for m in messages]
     ids = tokenizer.apply_chat_template(
-        conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        conversation, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     return list(ids)
+
+
+async def constraint(
+    state: sv.ServerState, body: ChatCompletionRequest, tools: ToolPlan
+) -> StructuredOutputsParams | None:
+    """The request's constraint (response_format, structured_outputs, or tool_choice required
+    or named), checked; every tool's parameters are checked as schemas first (400s)."""
+    await state.constraints.check_schemas(
+        [
+            (f"tools.{i}.function.parameters", tool.function.arguments_schema)
+            for i, tool in enumerate(body.tools or [])
+        ]
+    )
+    spec, param = (tools.constraint(), "tool_choice") if tools.forced else body.constraint()
+    if spec is not None:
+        await state.constraints.check(spec, param)
+    return spec
 
 
 @router.post("/v1/chat/completions")
@@ -35,18 +59,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = sv.get_state(request)
     sv.check_model(state, body.model)
     sv.check_n(state, body.n)
+    tools = body.tool_plan
+    spec = await constraint(state, body, tools)
     urls = [url for m in body.messages for url in m.image_urls()]
     images = await check_images(state, urls)
-    prompt = await asyncio.to_thread(render_chat, state.tokenizer, body.messages)
+    prompt = await asyncio.to_thread(
+        render_chat, state.tokenizer, body.messages, tools.template_tools()
+    )
     prompt_images = None
     if images:
         prompt, prompt_images = with_images(state, prompt, images)
-    params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs)
+    params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
     traffic = sv.traffic_class(state, request)
     group = sv.submit(state, [prompt], [params], body.n, traffic, prompt_images)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        return sv.GroupStream(group, _stream(state, body, group, response_id, len(prompt)))
+        stream = _stream(state, body, tools, group, response_id, len(prompt))
+        return sv.GroupStream(group, stream)
     choices = await sv.collect(request, group, body.n)
     return JSONResponse(
         {
@@ -54,23 +83,36 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _logprobs(state, c.logprobs, body) if body.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
+            "choices": [_choice(state, body, tools, i, c) for i, c in enumerate(choices)],
             "usage": sv.usage([prompt], choices),
         }
     )
 
 
+def _choice(
+    state: sv.ServerState, body: ChatCompletionRequest, tools: ToolPlan, index: int, c: sv.Choice
+) -> dict[str, Any]:
+    parser = tools.parser()
+    content, calls = message(parser, c.text)
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        reply["tool_calls"] = calls
+    return {
+        "index": index,
+        "message": reply,
+        "logprobs": _logprobs(state, c.logprobs, body) if body.logprobs else None,
+        "finish_reason": parser.finish_reason(c.finish_reason),
+    }
+
+
+def _delta(event: Event) -> dict[str, Any]:
+    return {"content": event} if isinstance(event, str) else stream_delta(event)
+
+
 async def _stream(
     state: sv.ServerState,
     body: ChatCompletionRequest,
+    tools: ToolPlan,
     group: RequestGroup,
     response_id: str,
     prompt_len: int,
@@ -93,18 +135,24 @@ async def _stream(
         )
 
     completion_tokens = 0
+    parsers = [tools.parser() for _ in range(body.n)]
     try:
         for i in range(body.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": None if tools.forced else ""})
         async for index, delta in group:
             completion_tokens += len(delta.token_ids)
+            parser = parsers[index]
+            events = parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                events += parser.finish()
             extra: dict[str, Any] = {}
             if body.logprobs and delta.logprobs:
                 extra["logprobs"] = _logprobs(state, delta.logprobs, body)
-            if delta.text or extra:
-                yield chunk(index, {"content": delta.text}, **extra)
+            deltas = [_delta(e) for e in events] or ([{"content": ""}] if extra else [])
+            for k, item in enumerate(deltas):
+                yield chunk(index, item, **(extra if k == 0 else {}))
             if delta.finish_reason is not None:
-                yield chunk(index, {}, finish_reason=delta.finish_reason)
+                yield chunk(index, {}, finish_reason=parser.finish_reason(delta.finish_reason))
         if body.include_usage:
             counts = sv.usage_counts(prompt_len, completion_tokens)
             yield sv.usage_chunk(

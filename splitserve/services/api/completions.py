@@ -52,6 +52,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     sv.check_n(state, body.n, body.num_prompts)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported", param="echo")
+    spec, param = body.constraint()
+    if spec is not None:
+        await state.constraints.check(spec, param)
     prompts = await asyncio.to_thread(tokenize_prompts, state.tokenizer, body.prompt)
     _check_token_ids(state, prompts)
     limit = body.max_tokens
@@ -62,6 +65,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
             limit if limit is not None else min(DEFAULT_MAX_TOKENS, state.max_model_len - len(p)),
             len(p),
             body.logprobs,
+            spec,
         )
         for p in prompts
     ]

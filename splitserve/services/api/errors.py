@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,6 +36,12 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+def field_error(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
+    """A validation error of a model validator that names its field (``_from_validation``
+    reads ``param`` and ``code`` back: a model-level error has no location of its own)."""
+    return PydanticCustomError(code, message, {"param": param})
 
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -71,7 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def _from_validation(exc: RequestValidationError) -> APIError:
     """The first error, named by its field: a model validator's error carries the field in
-    its context (protocol.field_error); one about the whole body says what the body is."""
+    its context (field_error); one about the whole body says what the body is."""
     first = exc.errors()[0] if exc.errors() else {}
     kind = str(first.get("type", "invalid_value"))
     if kind == "json_invalid":

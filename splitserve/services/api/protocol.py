@@ -2,26 +2,34 @@
 
 Every number is bounded to what the engine and the msgpack codec carry: integers fit in 64
 bits (seeds) or 31 (counts), floats are finite and within their documented ranges. Fields
-that splitserve does not implement but that change what a client gets (tools,
-response_format other than text, logit_bias, ...) are refused with an error that names them
-rather than ignored; other unknown fields are ignored, as OpenAI-compatible servers usually do.
+that splitserve does not implement but that change what a client gets (logit_bias, tools on
+completions, ...) are refused with an error that names them rather than ignored; other
+unknown fields are ignored, as OpenAI-compatible servers usually do. The structured-output
+fields are in structured.py, the tool fields in tools.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+
+from splitserve.engine.sampling_params import StructuredOutputsParams
+from splitserve.services.api.errors import field_error
+from splitserve.services.api.structured import (
+    ResponseFormat,
+    StructuredOutputsBody,
+    asks_for_constraint,
+    requested,
+)
+from splitserve.services.api.tools import ToolChoice, ToolPlan, Tools, plan
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -32,6 +40,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
 }
 """Fields refused unless absent or set to the value that asks for nothing (name -> those)."""
+CHAT_UNSUPPORTED = {**UNSUPPORTED, "parallel_tool_calls": (None, True)}
+COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": (None, []), "tool_choice": (None, "none")}
 
 MAX_COUNT = 2**31 - 1
 """Bound of token counts (max_tokens, min_tokens, top_k): past any context, within int32."""
@@ -42,12 +52,6 @@ Count = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 """A signed 64-bit seed; choice i samples with seed + i, which stays within the 64 bits that
 torch's generator and msgpack take while i < 2**63."""
-
-
-def field_error(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
-    """A validation error of a model validator that names its field (errors.py reads
-    ``param`` and ``code`` back: a model-level error has no location of its own)."""
-    return PydanticCustomError(code, message, {"param": param})
 
 
 class TextPart(BaseModel):
@@ -70,18 +74,65 @@ class ImageURLPart(BaseModel):
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_call(self) -> dict[str, Any]:
+        """As chat templates read it: the arguments as an object when they parse as one."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except (json.JSONDecodeError, RecursionError):
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for assistant tool_calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
 
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template gets it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.template_content()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
     def image_urls(self) -> list[str]:
-        if isinstance(self.content, str):
+        if self.content is None or isinstance(self.content, str):
             return []
         return [p.image_url.url for p in self.content if isinstance(p, ImageURLPart)]
 
@@ -92,7 +143,7 @@ class ChatMessage(BaseModel):
             return self.text()
         return [
             {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
-            for p in self.content
+            for p in self.content or []
             if not isinstance(p, str)
         ]
 
@@ -105,6 +156,7 @@ class SamplingFields(BaseModel):
     """What chat and completions share."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
 
     model: str
     max_tokens: Count | None = None
@@ -124,6 +176,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
     min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] = 0
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     @field_validator("stop")
     @classmethod
@@ -138,12 +192,20 @@ class SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
         extra = self.model_extra or {}
-        for name, allowed in UNSUPPORTED.items():
+        for name, allowed in self.refused.items():
             if name in extra and extra[name] not in allowed:
                 raise field_error(
                     name, f"{name} is not supported by this server", "unsupported_parameter"
                 )
+        if self.structured_outputs is not None and asks_for_constraint(self.response_format, None):
+            raise field_error(
+                "structured_outputs", "give response_format or structured_outputs, not both"
+            )
         return self
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The structured output the body asks for, and the field that asks."""
+        return requested(self.response_format, self.structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -156,16 +218,47 @@ class SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "tools: two tools have the same function name")
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if not self.tools:
+            raise field_error("tool_choice", "tool_choice required or a function needs tools")
+        if not isinstance(choice, str) and choice.function.name not in names:
+            raise field_error(
+                "tool_choice",
+                f"tool_choice: no tool is the function {choice.function.name!r}",
+            )
+        if asks_for_constraint(self.response_format, self.structured_outputs):
+            raise field_error(
+                "tool_choice",
+                "tool_choice required or a function cannot be combined with response_format "
+                "or structured_outputs",
+            )
+        return self
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        return plan(self.tools, self.tool_choice)
 
     @property
     def token_limit(self) -> int | None:
@@ -180,6 +273,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_UNSUPPORTED
+
     prompt: Prompt
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

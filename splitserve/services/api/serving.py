@@ -14,9 +14,10 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from splitserve.config import DeployConfig
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.vision.config import VisionConfig
 from splitserve.router.router import NoWorkerError
+from splitserve.services.api.constraints import ConstraintCheck
 from splitserve.services.api.errors import APIError, error_body
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.images import PromptImages
@@ -38,6 +39,11 @@ class ServerState:
     max_model_len: int
     vision: VisionConfig | None = None
     """The model's image side (None: a text-only model)."""
+    constraints: ConstraintCheck = field(init=False)
+    """Checks structured-output constraints before they reach a worker."""
+
+    def __post_init__(self) -> None:
+        self.constraints = ConstraintCheck(self.tokenizer, self.config.server.grammar_timeout_s)
 
     @property
     def model_name(self) -> str:
@@ -82,8 +88,10 @@ def sampling_params(
     limit: int | None,
     prompt_len: int,
     logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for one choice; 400 when the prompt and limit do not fit."""
+    """The engine's parameters for one choice; 400 when the prompt and limit do not fit.
+    structured_outputs: a constraint ``state.constraints`` has checked."""
     room = state.max_model_len - prompt_len
     max_tokens = limit if limit is not None else room
     if max_tokens > room or room < 1:
@@ -110,6 +118,7 @@ def sampling_params(
             stop=body.stop_list(),
             max_tokens=max_tokens,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
