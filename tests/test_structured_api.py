@@ -175,6 +175,31 @@ def streamed_chat(client: openai.OpenAI, messages: Any, max_tokens: int, **kwarg
     return content, [tuple(c) for c in calls], finish
 
 
+class Offline:
+    """The offline engine's greedy outputs, each computed once for both servers."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.done: dict[str, CompletionOutput] = {}
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams) -> CompletionOutput:
+        key = json.dumps(messages) + repr(params)
+        if key not in self.done:
+            self.done[key] = self.llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        return self.done[key]
+
+    def generate(self, prompt: str | list[int], params: SamplingParams) -> CompletionOutput:
+        key = json.dumps(prompt) + repr(params)
+        if key not in self.done:
+            self.done[key] = self.llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_llm: LLM) -> Offline:
+    return Offline(smollm2_llm)
+
+
 def assert_token_for_token(choice: Any, llm: LLM, out: CompletionOutput) -> None:
     assert [t.token for t in choice.logprobs.content] == token_texts(llm, out)
 
@@ -231,7 +256,7 @@ def test_streamed_constrained_text_equals_non_streamed(
 
 
 def test_regex_choice_grammar_and_json_object_outputs_match_and_equal_offline(
-    client: openai.OpenAI, smollm2_llm: LLM
+    client: openai.OpenAI, smollm2_llm: LLM, offline: Offline
 ) -> None:
     cases: list[tuple[str, dict[str, Any], Any]] = [
         ("Give me a US phone number.", {"regex": PHONE}, lambda t: re.fullmatch(PHONE, t)),
@@ -249,14 +274,14 @@ def test_regex_choice_grammar_and_json_object_outputs_match_and_equal_offline(
     ]
     for ask, constraint, matches in cases:
         messages = [{"role": "user", "content": ask}]
-        expected = smollm2_llm.chat(messages, greedy(40, **constraint), use_tqdm=False)[0]
+        expected = offline.chat(messages, greedy(40, **constraint))
         out = chat(client, messages, 40, extra_body={"structured_outputs": constraint})
         text = out.choices[0].message.content
         assert matches(text), (constraint, text)
-        assert (text, out.choices[0].finish_reason) == (expected.outputs[0].text, "stop")
+        assert (text, out.choices[0].finish_reason) == (expected.text, "stop")
     prompt = "Today's date:"
     date = {"regex": r" \d{4}-\d{2}-\d{2}"}
-    expected = smollm2_llm.generate(prompt, greedy(12, **date), use_tqdm=False)[0].outputs[0]
+    expected = offline.generate(prompt, greedy(12, **date))
     full = client.completions.create(
         model=MODEL,
         prompt=prompt,
@@ -285,7 +310,7 @@ def calls_of(message: Any) -> list[tuple[str, str]]:
 
 
 def test_named_tool_choice_yields_arguments_of_its_schema_equal_offline(
-    client: openai.OpenAI, smollm2_llm: LLM
+    client: openai.OpenAI, smollm2_llm: LLM, offline: Offline
 ) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = chat(client, ASK_TOOL, 40, tools=TOOLS, tool_choice=named)
@@ -294,8 +319,7 @@ def test_named_tool_choice_yields_arguments_of_its_schema_equal_offline(
     jsonschema.validate(json.loads(arguments), WEATHER)
     assert out.choices[0].finish_reason == "tool_calls"
     prompt = template_ids(smollm2_llm, ASK_TOOL, TOOLS)
-    expected = smollm2_llm.generate(prompt, greedy(40, json=WEATHER), use_tqdm=False)[0]
-    assert arguments == expected.outputs[0].text
+    assert arguments == offline.generate(prompt, greedy(40, json=WEATHER)).text
     assert streamed_chat(client, ASK_TOOL, 40, tools=TOOLS, tool_choice=named) == (
         "",
         [(name, arguments)],
@@ -304,7 +328,7 @@ def test_named_tool_choice_yields_arguments_of_its_schema_equal_offline(
 
 
 def test_required_tool_choice_yields_calls_of_the_tools_equal_offline(
-    client: openai.OpenAI, smollm2_llm: LLM
+    client: openai.OpenAI, smollm2_llm: LLM, offline: Offline
 ) -> None:
     asks = [ASK_TOOL, [{"role": "user", "content": "Add 2 and 3, then tell me Rome's weather."}]]
     calls_schema = {
@@ -324,7 +348,7 @@ def test_required_tool_choice_yields_calls_of_the_tools_equal_offline(
             ]
         },
     }
-    for messages in asks:
+    for messages, stream in zip(asks, (False, True), strict=True):
         out = chat(client, messages, 64, tools=TOOLS, tool_choice="required")
         calls = calls_of(out.choices[0].message)
         assert calls and out.choices[0].finish_reason == "tool_calls"
@@ -332,14 +356,13 @@ def test_required_tool_choice_yields_calls_of_the_tools_equal_offline(
             jsonschema.validate(json.loads(arguments), SCHEMA_OF[name])
         prompt = template_ids(smollm2_llm, messages, TOOLS)
         params = greedy(64, json=calls_schema)
-        expected = json.loads(
-            smollm2_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
-        )
+        expected = json.loads(offline.generate(prompt, params).text)
         assert [(n, json.loads(a)) for n, a in calls] == [
             (c["name"], c["arguments"]) for c in expected
         ]
-        streamed = streamed_chat(client, messages, 64, tools=TOOLS, tool_choice="required")
-        assert streamed == ("", calls, "tool_calls")
+        if stream:
+            streamed = streamed_chat(client, messages, 64, tools=TOOLS, tool_choice="required")
+            assert streamed == ("", calls, "tool_calls")
 
 
 HERMES = [
@@ -357,11 +380,11 @@ HERMES = [
 
 
 def test_auto_tool_choice_reads_hermes_tool_call_blocks_streamed_and_not(
-    client: openai.OpenAI, smollm2_llm: LLM
+    client: openai.OpenAI, smollm2_llm: LLM, offline: Offline
 ) -> None:
     tools = TOOLS[:1]
     prompt = template_ids(smollm2_llm, HERMES, tools)
-    expected = smollm2_llm.generate(prompt, greedy(32), use_tqdm=False)[0].outputs[0]
+    expected = offline.generate(prompt, greedy(32))
     block, close, rest = expected.text.partition("</tool_call>")
     assert close and block.startswith("<tool_call>")  # the model wrote one call, then text
     out = chat(client, HERMES, 32, tools=tools)
