@@ -353,9 +353,8 @@ class LLMEngine:
             self.scheduler.finish(req)
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Feed the token to the request's matcher; True once nothing more may follow (the
-        constraint complete and its stop token taken, or a token it refuses: one sampled
-        elsewhere without the constraint, logged)."""
+        """Feed the token to the request's matcher; True once nothing more may follow (done,
+        or a token it refuses, logged: one sampled elsewhere without the constraint)."""
         assert req.grammar is not None
         if not req.grammar.accept(token):
             log.error("request %s: token %d breaks its constraint", req.request_id, token)

@@ -108,8 +108,8 @@ _NAMES = {
 def _convert(kind: str, text: str) -> xgr.Grammar:
     if kind == "json":
         return xgr.Grammar.from_json_schema(text, any_whitespace=False)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     return xgr.Grammar.from_ebnf(text)
