@@ -15,6 +15,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
+    eos_token_ids,
     is_random_shape,
     load_model_config,
     load_tokenizer,
@@ -77,7 +78,7 @@ class LLMEngine:
         vision = load_vision_config(path)
         self.image_token_id = vision.image_token_id if vision is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-        self.eos_token_ids = _eos_ids(self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.tokenizer)
         self.max_model_len = _max_model_len(
             config, self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
@@ -386,13 +387,6 @@ class LLMEngine:
             cached_tokens_by_tier=dict(self.scheduler.cached_tokens_by_tier),
             queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
         )
-
-
-def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
 def _max_model_len(config: EngineConfig, max_positions: int, window: int | None) -> int:

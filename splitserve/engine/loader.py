@@ -116,6 +116,14 @@ class NumericTokenizer:
         return "".join(f" {t}" for t in token_ids)
 
 
+def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence ids (none for a random shape's)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 

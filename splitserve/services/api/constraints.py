@@ -89,23 +89,15 @@ class ConstraintCheck:
                 self._refused.popitem(last=False)
 
     def _get_compiler(self) -> Any:
+        from splitserve.engine.loader import eos_token_ids
         from splitserve.engine.structured.grammar import GrammarCompiler
 
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(
-                    self.tokenizer, len(self.tokenizer), stop_token_ids(self.tokenizer)
-                )
+                eos = list(eos_token_ids(self.tokenizer))
+                self._compiler = GrammarCompiler(self.tokenizer, len(self.tokenizer), eos)
             return self._compiler
 
 
 def _reason(exc: Exception) -> str:
     return "the constraint is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-
-
-def stop_token_ids(tokenizer: Any) -> list[int]:
-    """The tokenizer's end-of-sequence ids, as the engine reads them."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
