@@ -12,6 +12,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import resolve_model
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.store_writer import PinnedSlabs
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 
 pytestmark = pytest.mark.slow
@@ -118,3 +119,26 @@ def test_store_without_disk_gets_only_the_blocks_its_host_tier_keeps(
     assert small.host.keys() == room.host.keys()[-3:]
     with_disk = BlockStoreConfig(host_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 30)
     assert BlockStore(with_disk).max_blocks(block_bytes) is None
+
+
+def test_a_flush_finding_no_free_staging_slab_writes_nothing_through(
+    smollm2_tokenizer: Any,
+) -> None:
+    """On CUDA the write-through lands in a few staging slabs allocated once: a flush while
+    every slab is still being put into the store skips its blocks (they stay on the device)
+    instead of pinning more memory or waiting; once a slab is back, flushes write again, at
+    most a slab's worth each. (A CPU copies synchronously; here unpinned slabs stand in.)"""
+    store = BlockStore(BlockStoreConfig(host_bytes=256 << 20))
+    llm = _llm(smollm2_tokenizer, store)
+    cache, runner = llm.engine.prefix_cache, llm.engine.runner
+    assert cache is not None and cache.slabs is None  # CPU
+    cache.slabs = slabs = PinnedSlabs(1, runner.kv_block_shape(2), runner.dtype, pin=False)
+    held = slabs.acquire()
+    assert held is not None and slabs.acquire() is None
+    _run(llm)
+    assert len(store.host) == 0 and cache.skipped_blocks >= 6  # a ~100-token prompt
+    slabs.releaser(held)()
+    _run(llm, "A different prompt about coffee and nothing else at all. " * 8)
+    flushes_with_new_blocks = 2  # the prompt's prefill step, one decode step crossing a block
+    assert 2 <= len(store.host) <= 2 * flushes_with_new_blocks
+    assert slabs.acquire() is not None  # handed back after the synchronous put

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.model_runner import HostBlocks
-from splitserve.engine.store_writer import StoreWriter
+from splitserve.engine.store_writer import PinnedSlabs, StoreWriter
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 
 
@@ -27,3 +27,20 @@ def test_submitted_blocks_are_in_the_store_after_drain_newest_last() -> None:
     first.zero_()  # the store holds copies, not views of the batch
     hit = store.get(11)
     assert hit is not None and float(hit[0].abs().sum()) > 0
+
+
+def test_a_staging_slab_is_handed_back_once_its_blocks_are_in_the_store() -> None:
+    block = (2, 3, 4, 5)
+    store = BlockStore(BlockStoreConfig(host_bytes=1 << 20))
+    writer = StoreWriter(store)
+    slabs = PinnedSlabs(1, (2, *block), torch.float32, pin=False)
+    slab = slabs.acquire()
+    assert slab is not None and slabs.acquire() is None
+    slab.copy_(torch.arange(2 * 120, dtype=torch.float32).reshape(2, *block))
+    writer.submit([(21, None), (22, None)], HostBlocks(slab, None, slabs.releaser(slab)))
+    writer.drain()
+    again = slabs.acquire()
+    assert again is slab
+    again.zero_()  # reused for the next copy: the store keeps its own
+    hit = store.get(22)
+    assert hit is not None and float(hit[0].sum()) == sum(range(120, 240))

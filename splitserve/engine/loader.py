@@ -125,13 +125,12 @@ def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
 
 
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
     if is_random_shape(path):
         return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
-
     if is_gguf(path):
         return gguf_tokenizer(path)
+    from transformers import AutoTokenizer  # 7-10 s to import: only where it is needed
+
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -113,10 +113,11 @@ class ModelRunner:
         """A contiguous copy of these blocks' K and V: [2, layers, n, block, kv_heads, dim]."""
         return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
 
-    def blocks_to_host(self, block_ids: list[int]) -> HostBlocks:
+    def blocks_to_host(self, block_ids: list[int], out: torch.Tensor | None = None) -> HostBlocks:
         """A host copy of these blocks, one contiguous [2, layers, block, kv_heads, dim] per
         block ([n, ...] in all). On CUDA the copy runs on a stream of its own into pinned
-        memory and this returns at once; ``HostBlocks.wait`` waits for it to land."""
+        memory (``out[:n]`` when given: a staging slab of ``kv_block_shape``) and this returns
+        at once; ``HostBlocks.wait`` waits for it to land."""
         kv = self.kv_cache[:, :, self._tensor(block_ids)].movedim(2, 0)
         if self.device.type != "cuda":
             return HostBlocks(kv.contiguous(), None)
@@ -125,13 +126,21 @@ class ModelRunner:
             self._copy_stream = torch.cuda.Stream(self.device)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        if out is None:
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        else:
+            host = out[: len(block_ids)]
         with torch.cuda.stream(stream):
             host.copy_(gathered, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         gathered.record_stream(stream)
         return HostBlocks(host, done)
+
+    def kv_block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of ``num_blocks`` blocks as ``blocks_to_host`` returns them."""
+        kv, layers, blocks, block, heads, dim = self.kv_shape(num_blocks)
+        return (blocks, kv, layers, block, heads, dim)
 
     def scatter_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.dtype)
@@ -236,6 +245,8 @@ class HostBlocks:
 
     tensor: torch.Tensor
     done: torch.cuda.Event | None
+    release: Callable[[], None] | None = None
+    """Called once the blocks have been put into the store: hands a staging slab back."""
 
     def wait(self) -> None:
         if self.done is not None:

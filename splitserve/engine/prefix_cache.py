@@ -28,7 +28,7 @@ import torch
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
-from splitserve.engine.store_writer import StoreWriter
+from splitserve.engine.store_writer import SLAB_BYTES, SLABS, PinnedSlabs, StoreWriter
 
 
 class BlockCache(Protocol):
@@ -64,10 +64,25 @@ class PrefixCache:
         self.runner = runner
         self.store = store
         self.events = events
-        self._pending: list[tuple[int, int, str | None]] = []
+        self._pending: dict[int, tuple[int, str | None]] = {}
+        """Committed since the last flush: block hash -> (block id, traffic class), oldest
+        first; an evicted block leaves it at once."""
         self._block_bytes = runner.kv_bytes_per_block()
         self._writer: StoreWriter | None = None
         """Puts CUDA copies into the store off the loop thread (started by the first)."""
+        self.slabs: PinnedSlabs | None = None
+        """Where CUDA copies land (None on a CPU, whose copies are synchronous)."""
+        self.skipped_blocks = 0
+        """Blocks not written through because every staging slab was still in use."""
+        if store is not None and runner.device.type == "cuda":
+            limit = store.max_blocks(self._block_bytes)
+            per_slab = min(
+                block_manager.num_blocks,
+                max(1, SLAB_BYTES // self._block_bytes),
+                limit if limit is not None else block_manager.num_blocks,
+            )
+            if per_slab:
+                self.slabs = PinnedSlabs(SLABS, runner.kv_block_shape(per_slab), runner.dtype)
         block_manager.on_commit = self._committed
         block_manager.on_evict = self._evicted
         if store is not None:
@@ -77,9 +92,9 @@ class PrefixCache:
         """Copy the blocks committed since the last flush to the store (after a step): at once
         on CPU; on CUDA the copy runs on its own stream and the StoreWriter thread puts it
         into the store once it has landed. wait: return once every copy is in the store."""
-        pending, self._pending = self._pending, []  # filled only when there is a store
+        pending, self._pending = self._pending, {}  # filled only when there is a store
         if pending and self.store is not None:
-            self._copy_out(self.store, pending)
+            self._copy_out(self.store, [(h, b, c) for h, (b, c) in pending.items()])
         if wait and self._writer is not None:
             self._writer.drain()
 
@@ -90,11 +105,22 @@ class PrefixCache:
             pending = pending[-limit:] if limit else []
         if not pending:
             return
-        copy = self.runner.blocks_to_host([block_id for _, block_id, _ in pending])
+        slab = None
+        if self.slabs is not None:
+            slab = self.slabs.acquire()
+            if slab is None:  # the writer is behind: this burst stays on the device only
+                self.skipped_blocks += len(pending)
+                return
+            pending = pending[-len(slab) :]
+        copy = self.runner.blocks_to_host([block_id for _, block_id, _ in pending], slab)
+        if slab is not None and self.slabs is not None:  # (the second: for mypy)
+            copy.release = self.slabs.releaser(slab)
         blocks = [(block_hash, traffic_class) for block_hash, _, traffic_class in pending]
         if copy.done is None:
             for i, (block_hash, traffic_class) in enumerate(blocks):
                 store.put(block_hash, copy.tensor[i], traffic_class)
+            if copy.release is not None:
+                copy.release()
             return
         if self._writer is None:
             self._writer = StoreWriter(store)
@@ -102,12 +128,12 @@ class PrefixCache:
 
     def _committed(self, block_hash: int, block_id: int, req: Request) -> None:
         if self.store is not None:
-            self._pending.append((block_hash, block_id, req.traffic_class))
+            self._pending[block_hash] = (block_id, req.traffic_class)
         if self.events is not None:
             self.events.stored("device", [block_hash])
 
     def _evicted(self, block_hash: int) -> None:
-        self._pending = [p for p in self._pending if p[0] != block_hash]
+        self._pending.pop(block_hash, None)
         if self.events is not None:
             self.events.evicted("device", [block_hash])
 

@@ -93,12 +93,20 @@ class BlockStore:
         """Keep a copy of ``kv``; a block already held keeps the later of the two expiries."""
         expiry = self._clock() + self.config.retention.ttl(traffic_class)
         with self._lock:
-            old = self.host.get(block_hash)
-            if old is not None:
-                old.expiry = max(old.expiry, expiry)
+            if self._extend(block_hash, expiry):
                 return
-            tensor = kv.detach().to("cpu", copy=True).contiguous()
-            self._insert_host(block_hash, HostEntry(tensor, expiry))
+        # The copy outside the lock: the loop thread's lookups must not wait for it.
+        tensor = kv.detach().to("cpu", copy=True).contiguous()
+        with self._lock:
+            if not self._extend(block_hash, expiry):  # or another thread put it meanwhile
+                self._insert_host(block_hash, HostEntry(tensor, expiry))
+
+    def _extend(self, block_hash: int, expiry: float) -> bool:
+        """A block the host tier holds keeps the later of its two expiries; False if absent."""
+        old = self.host.get(block_hash)
+        if old is not None:
+            old.expiry = max(old.expiry, expiry)
+        return old is not None
 
     def max_blocks(self, block_bytes: int) -> int | None:
         """How many of a burst of new blocks of ``block_bytes`` can stay: the host tier's
