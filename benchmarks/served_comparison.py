@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,6 +62,12 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--mixes", default=",".join(MIXES))
     parser.add_argument("--rates", default=None, help="one sweep for every mix, e.g. 4,8,16")
     parser.add_argument("--num-prompts", type=int, default=200, help="per rate")
+    parser.add_argument(
+        "--seconds-per-rate",
+        type=float,
+        default=None,
+        help="cap a finite rate's prompts at rate x this (at least 20): low rates of long mixes",
+    )
     parser.add_argument("--offline-prompts", type=int, default=None, help="default: --num-prompts")
     parser.add_argument("--quick", action="store_true", help="tiny run (CPU smoke test)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -147,7 +154,7 @@ def _rate_run(
 ) -> dict[str, Any]:
     tag = f"{name}-{mix.replace('/', 'x')}-{'sat' if rate == float('inf') else f'{rate:g}'}"
     path = out / f"serve-{tag}.json"
-    prompts = 8 if args.quick else args.num_prompts
+    prompts = 8 if args.quick else _prompts(args, rate)
     before = phase_totals(server.url)
     command = [
         sys.executable, "-m", "splitserve.cli", "bench", "serve", "--base-url", server.url,
@@ -165,6 +172,12 @@ def _rate_run(
     path.write_text(json.dumps(record, indent=2) + "\n")
     record.pop("details", None)
     return record
+
+
+def _prompts(args: argparse.Namespace, rate: float) -> int:
+    if args.seconds_per_rate is None or rate == float("inf"):
+        return int(args.num_prompts)
+    return min(args.num_prompts, max(20, math.ceil(rate * args.seconds_per_rate)))
 
 
 def _slo_share(record: dict[str, Any]) -> float:
