@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -214,3 +217,49 @@ def test_publish_buffer_batches_until_the_interval_and_keeps_the_latest_event() 
     buffer.stored("device", H[2:3])
     buffer.stop()
     assert index.longest_prefixes(H) == {"w0": (4, "device")}
+
+
+def test_an_unresponsive_redis_costs_each_caller_at_most_its_timeout_once_per_retry() -> None:
+    """A Redis that accepts connections and never answers (hung, or partitioned behind a
+    proxy) must not stall routing or publishing: the first call waits out the socket timeout
+    and answers empty, the calls within the retry interval after it answer at once, and the
+    next probe waits at most one timeout again."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])  # read nothing, answer nothing
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    index = RedisPrefixIndex(url, TTL_S, timeout_s=0.2, retry_interval_s=0.5)
+    try:
+        start = time.monotonic()
+        assert index.longest_prefixes(H) == {}
+        first = time.monotonic() - start
+        assert first < 0.6  # one socket timeout, not a hang
+        start = time.monotonic()
+        for _ in range(50):
+            assert index.longest_prefixes(H) == {}
+            index.publish("w0", "device", list(H), ())
+        assert time.monotonic() - start < 0.1  # inside the retry interval: no round trip
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert not index.healthy()
+        assert index.longest_prefixes(H) == {}
+        assert time.monotonic() - start < 1.0  # the probe and one lookup: a timeout each
+        assert accepted, "the client did reach the listener"
+    finally:
+        stop.set()
+        thread.join()
+        index.close()
+        for conn in accepted:
+            conn.close()
+        listener.close()
