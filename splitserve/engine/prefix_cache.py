@@ -11,7 +11,10 @@ node's ``kvstore.store.BlockStore``) and a ``CacheEvents`` sink (a ``kvstore.pub
   the loop never waits for it (a synchronous copy per block took a quarter of a served H200
   loop at 8 req/s). A block still on its way is on the device too. Only as many of a flush's
   blocks are copied as the store can keep (``max_blocks``: the host tier's room when no disk
-  tier is below it), the newest, which is what an LRU of that size keeps of the burst;
+  tier is below it), the newest, which is what an LRU of that size keeps of the burst. On CUDA
+  the copies land in staging slabs allocated once (``SLAB_BYTES`` each, so with a disk tier a
+  flush also copies at most a slab's worth, the newest); a flush that finds every slab still
+  being written out copies nothing (``skipped_blocks``): the loop never waits for the store;
 - every device store and eviction is reported as a ``device`` tier event;
 - a waiting request whose device-cached prefix ends early continues it with blocks the store
   has: each is loaded into a free device block and registered under its hash. A store miss
