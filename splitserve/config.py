@@ -39,6 +39,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    """Keys for /admin (scaling); without any, /admin answers only loopback clients."""
     max_body_bytes: int = 1 << 20
     max_header_bytes: int = 8192
     max_n: int = 8
@@ -57,6 +59,7 @@ class ServerConfig:
         _require(self.max_n >= 1, "server.max_n must be at least 1")
         _require(self.max_queue >= 1, "server.max_queue must be at least 1")
         _require(all(self.api_keys), "server.api_keys must not contain empty keys")
+        _require(all(self.admin_keys), "server.admin_keys must not contain empty keys")
         _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
         _require(self.grammar_timeout_s > 0, "server.grammar_timeout_s must be positive")
 

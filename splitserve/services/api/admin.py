@@ -1,7 +1,9 @@
 """Admin routes: `GET /admin/pools`, `POST /admin/scale` (what `splitserve scale` calls).
 
-They take the API key when keys are configured; without keys they answer only clients on
-the loopback interface, so that an open port does not let anyone resize the deployment.
+With ``server.admin_keys`` configured they need one of those keys (an API key of
+``server.api_keys`` is not enough: a client of the model may not resize the deployment);
+without admin keys they answer only clients on the loopback interface (with the API key when
+API keys are configured), so that an open port does not let anyone resize the deployment.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from splitserve.services.api.auth import check_api_key
+from splitserve.services.api.auth import bearer_matches, check_api_key
 from splitserve.services.api.errors import APIError
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -41,11 +43,21 @@ class PoolScaler(Protocol):
 
 
 def check_admin(request: Request) -> None:
-    check_api_key(request)
-    keys = request.app.state.server.config.server.api_keys
+    server = request.app.state.server.config.server
+    if server.admin_keys:
+        if not bearer_matches(request, server.admin_keys):
+            raise APIError(
+                403, "admin routes need an admin key (server.admin_keys)", code="forbidden"
+            )
+        return
     host = request.client.host if request.client else ""
-    if not keys and host not in LOOPBACK:
-        raise APIError(403, "admin routes need an API key or a loopback client", code="forbidden")
+    if host not in LOOPBACK:
+        raise APIError(
+            403,
+            "admin routes need an admin key (server.admin_keys) or a loopback client",
+            code="forbidden",
+        )
+    check_api_key(request)
 
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)])

@@ -18,11 +18,7 @@ def check_api_key(request: Request) -> None:
     keys: tuple[str, ...] = request.app.state.server.config.server.api_keys
     if not keys:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(presented, key.encode())
+    matched = bearer_matches(request, keys)
     if not matched:
         raise APIError(
             401,
@@ -31,3 +27,13 @@ def check_api_key(request: Request) -> None:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+def bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
+    """Whether the request's bearer token is one of ``keys``, each compared in constant time."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented, key.encode())
+    return matched

@@ -30,7 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replicas of a pool by its name (e.g. a colocated pool: --pool worker=2)",
     )
     parser.add_argument(
-        "--api-key", default=None, help="the server's API key (default: $SPLITSERVE_API_KEY)"
+        "--admin-key",
+        default=None,
+        help="one of the server's admin keys (server.admin_keys; default: $SPLITSERVE_ADMIN_KEY)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's API key, for a loopback server without admin keys "
+        "(default: $SPLITSERVE_API_KEY)",
     )
 
 
@@ -40,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve scale: {exc}", file=sys.stderr)
         return 2
-    key = args.api_key or os.environ.get("SPLITSERVE_API_KEY")
+    key = (
+        args.admin_key
+        or os.environ.get("SPLITSERVE_ADMIN_KEY")
+        or args.api_key
+        or os.environ.get("SPLITSERVE_API_KEY")
+    )
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = f"{args.base_url.rstrip('/')}/admin/scale"
     try:
