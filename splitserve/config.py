@@ -219,6 +219,12 @@ class RayConfig:
 
     address: str | None = None
     num_cpus: int | None = None
+    placement_timeout_s: float = 60.0
+    """How long a replica may wait for room in the cluster (an autoscaling cluster adding
+    nodes needs minutes), saying so every 10 s in the log."""
+
+    def __post_init__(self) -> None:
+        _require(self.placement_timeout_s > 0, "ray.placement_timeout_s must be positive")
 
 
 @dataclass(frozen=True)

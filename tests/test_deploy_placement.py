@@ -4,7 +4,9 @@ nodes; on one host, a private local Ray that offers the pools' labels itself."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from splitserve.config import load_config
-from splitserve.services.launch.deployment import Deployment, local_label_totals
+from splitserve.services.launch.deployment import Deployment, local_label_totals, wait_placed
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_MEMORY = 80 << 20
@@ -89,6 +91,16 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
         deployment.remove_replica("decode-1")
         deployment.add_replicas("decode", 1)
         assert actor_node(deployment.replicas["decode-2"].actor) == nodes["decode"]
+        # The decode node is full: a new replica waits until the cluster grows (as under the
+        # autoscaler), then lands on the node that joined.
+        waiting = ThreadPoolExecutor(1).submit(deployment.add_replicas, "decode", 1)
+        time.sleep(1.0)
+        assert not waiting.done()
+        joined = ray_cluster.add_node(
+            num_cpus=1, resources={"decode": 1}, object_store_memory=NODE_MEMORY
+        )
+        waiting.result(timeout=60)
+        assert actor_node(deployment.replicas["decode-3"].actor) == joined.node_id
     finally:
         deployment.stop()
 
@@ -139,3 +151,36 @@ def test_fractional_node_labels_start_every_worker_on_a_private_one_host_ray() -
     finally:
         deployment.stop()
     assert not ray.is_initialized()
+
+
+def test_a_replica_waits_for_room_until_its_deadline_saying_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """wait_placed: True as soon as the placement lands, a progress line every 10 s while it
+    waits, False at the deadline (the last wait cut to it)."""
+    clock = [0.0]
+
+    def placed_at(when: float) -> Any:
+        def ready(seconds: float) -> bool:
+            if clock[0] + seconds >= when:
+                clock[0] = max(clock[0], when)
+                return True
+            clock[0] += seconds
+            return False
+
+        return ready
+
+    def now() -> float:
+        return clock[0]
+
+    assert wait_placed(placed_at(25.0), 60.0, "decode-3 ({'GPU': 1})", 10.0, now)
+    assert clock[0] == 25.0
+    assert capsys.readouterr().out.splitlines() == [
+        "splitserve: waiting for room for decode-3 ({'GPU': 1}) in the Ray cluster: "
+        f"{s} s of 60 s"
+        for s in (10, 20)
+    ]
+    clock[0] = 0.0
+    assert not wait_placed(placed_at(1e9), 35.0, "decode-3", 10.0, now)
+    assert clock[0] == 35.0
+    assert len(capsys.readouterr().out.splitlines()) == 3

@@ -37,6 +37,9 @@ def test_cluster_file_installs_splitserve_and_serves_its_config(path: Path) -> N
     serve = [c for c in config["head_start_ray_commands"] if "splitserve serve" in c]
     assert len(serve) == 1
     assert "--config ~/splitserve/configs/cluster-gpu.yaml --address auto" in serve[0]
+    # Under a loop that starts it again whenever it exits with an error.
+    assert serve[0].startswith("nohup bash -c 'until splitserve serve ")
+    assert "; do " in serve[0] and "; done" in serve[0] and serve[0].endswith("&")
 
 
 def test_cloud_file_has_prefill_and_decode_gpu_node_types_the_pools_ask_for() -> None:

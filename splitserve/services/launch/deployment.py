@@ -8,7 +8,8 @@ import logging
 import math
 import os
 import signal
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
     from splitserve.kvstore.transfer import StoreAddress
 
 OBJECT_STORE_BYTES = 128 << 20
-PLACEMENT_TIMEOUT_S = 60.0
+PROGRESS_S = 10.0
+"""How often a replica waiting for room in the cluster says so in the log."""
 MIN_BUNDLE_CPU = 0.01
 NODE_HOST = "node"
 
@@ -136,13 +138,22 @@ class Deployment:
         worker_id = f"{name}-{index}"
         bundle = pool.bundle() or {"CPU": MIN_BUNDLE_CPU}
         group = placement_group([bundle], strategy="PACK", name=f"ss-{worker_id}")
-        try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as exc:
+        placed = group.ready()
+
+        def ready(seconds: float) -> bool:
+            try:
+                ray.get(placed, timeout=seconds)
+            except ray.exceptions.GetTimeoutError:
+                return False
+            return True
+
+        timeout_s = self.config.ray.placement_timeout_s
+        if not wait_placed(ready, timeout_s, f"{worker_id} ({bundle})"):
             remove_placement_group(group)
             raise WorkerStartError(
-                f"pool {name}: no room for {worker_id} ({bundle}) in the Ray cluster"
-            ) from exc
+                f"pool {name}: no room for {worker_id} ({bundle}) in the Ray cluster after "
+                f"{timeout_s:g} s (ray.placement_timeout_s)"
+            )
         actor = (
             ray.remote(worker_class(pool.role))
             .options(
@@ -226,6 +237,32 @@ def _driver_host(host: str) -> str:
     import ray
 
     return ray.util.get_node_ip_address() if host == NODE_HOST else host
+
+
+def wait_placed(
+    ready: Callable[[float], bool],
+    timeout_s: float,
+    what: str,
+    progress_s: float = PROGRESS_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> bool:
+    """Wait up to ``timeout_s`` for a placement (``ready(seconds)``: True once placed, after
+    waiting at most that long), saying every ``progress_s`` in the log what it waits for: on a
+    cluster that is scaling up, nodes can take minutes to join."""
+    start = clock()
+    while True:
+        left = timeout_s - (clock() - start)
+        if left <= 0:
+            return False
+        if ready(min(progress_s, left)):
+            return True
+        waited = clock() - start
+        if waited < timeout_s:
+            print(
+                f"splitserve: waiting for room for {what} in the Ray cluster: "
+                f"{waited:.0f} s of {timeout_s:g} s",
+                flush=True,
+            )
 
 
 def _bundle_host(host: str, group: Any) -> str:
