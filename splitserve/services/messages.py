@@ -278,6 +278,16 @@ class WorkerFailed:
     reason: str
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """Worker -> API server, from a thread of its own (not the loop) every second: the worker
+    is alive even while its loop is inside a step longer than the heartbeat timeout.
+    loop_busy_s: how long the loop's current round has been running."""
+
+    worker_id: str
+    loop_busy_s: float
+
+
 Message = (
     GenerateRequest
     | Reserve
@@ -293,6 +303,7 @@ Message = (
     | WorkerStats
     | IndexUpdate
     | WorkerFailed
+    | Heartbeat
 )
 _TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -311,6 +322,7 @@ _TYPES: dict[str, type] = {
         WorkerStats,
         IndexUpdate,
         WorkerFailed,
+        Heartbeat,
     )
 }
 

@@ -225,6 +225,8 @@ class RequestExchange:
             self._guarded(message.request_id, partial(self._on_reserved, message))
         elif isinstance(message, msg.WorkerStats):
             self._guarded(None, partial(self.pool.on_stats, message))
+        elif isinstance(message, msg.Heartbeat):
+            self._guarded(None, partial(self.pool.on_heartbeat, message))
         elif isinstance(message, msg.IndexUpdate) and self.prefix is not None:
             u = message
             self._guarded(

@@ -1,8 +1,10 @@
 """The API server's worker pool: membership, sockets, heartbeats and each worker's load.
 
 One PUSH socket per worker carries requests and aborts; one PULL socket, connected to every
-worker, brings their output back (the request exchange reads it, exchange.py). WorkerStats are
-the heartbeats: a worker silent for ``heartbeat_timeout_s`` is unhealthy, and one that sent
+worker, brings their output back (the request exchange reads it, exchange.py). WorkerStats
+(from the worker's loop) and Heartbeats (from a thread of its own, so that a step longer than
+the timeout does not look like a dead worker) are the heartbeats: a worker silent for
+``heartbeat_timeout_s`` is unhealthy, and one that sent
 WorkerFailed is failed for good (unhealthy and never routed to again). Workers join with
 ``add_worker`` and leave through ``drain``: no new requests, then removal once nothing in
 flight waits on them. Nothing here routes or tracks requests.
@@ -11,6 +13,7 @@ flight waits on them. Nothing here routes or tracks requests.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 
@@ -20,6 +23,8 @@ import zmq.asyncio
 from splitserve.services import messages as msg
 from splitserve.services.api.worker_view import WorkerEndpoint, WorkerState
 from splitserve.services.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 15.0
 DRAIN_POLL_S = 0.05
@@ -144,6 +149,21 @@ class WorkerPool:
         worker.last_seen = time.monotonic()
         worker.blocks_since_stats = 0
         self.count_workers()
+
+    def on_heartbeat(self, beat: msg.Heartbeat) -> None:
+        """A worker is alive, its loop maybe inside a long step (stats come from the loop)."""
+        try:
+            worker = self.find(beat.worker_id)
+        except KeyError:
+            return
+        worker.last_seen = time.monotonic()
+        if beat.loop_busy_s >= self.heartbeat_timeout_s > worker.loop_busy_s:
+            log.warning(
+                "worker %s: its loop has been in one round for %.0f s (alive: heartbeats)",
+                beat.worker_id,
+                beat.loop_busy_s,
+            )
+        worker.loop_busy_s = beat.loop_busy_s
 
     def mark_failed(self, worker_id: str, reason: str) -> WorkerState | None:
         """A worker reported that its loop stopped: it is unhealthy and unroutable from now

@@ -47,6 +47,8 @@ class WorkerState:
     removed: bool = False
     failed: str | None = None
     """Why the worker's loop stopped (its WorkerFailed); None while it runs."""
+    loop_busy_s: float = 0.0
+    """How long the worker's loop had been in its current round at its last Heartbeat."""
     prefill_tokens: int = 0
     """Estimated prompt tokens of the requests sent here whose first token has not come."""
 

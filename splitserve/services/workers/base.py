@@ -33,6 +33,8 @@ from splitserve.services import messages as msg
 from splitserve.services.workers.spec import WorkerSpec
 
 STATS_INTERVAL_S = 0.2
+HEARTBEAT_INTERVAL_S = 1.0
+"""Heartbeats come from a thread of their own (the loop's stats stop during a long step)."""
 IDLE_POLL_MS = 50
 logger = logging.getLogger("splitserve.worker")
 
@@ -84,6 +86,10 @@ class Worker(ABC):
         self._async_errors: queue.Queue[msg.RequestError] = queue.Queue()
         self._thread_failures: queue.Queue[str] = queue.Queue()
         self._last_stats = 0.0
+        self._send_lock = threading.Lock()
+        """The output socket is the loop's and the heartbeat thread's: one sender at a time."""
+        self._round_started = time.monotonic()
+        self._heartbeat: threading.Thread | None = None
         self.phases = PhaseTimer()
         """The loop's time by phase (idle, receive, stats; subclasses add theirs)."""
 
@@ -105,6 +111,10 @@ class Worker(ABC):
         self._setup()
         self._thread = threading.Thread(target=self._loop, name=f"{self.role}-loop", daemon=True)
         self._thread.start()
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"{self.role}-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,
@@ -119,6 +129,8 @@ class Worker(ABC):
     def stop(self) -> None:
         """Stop the loop and close the sockets (requests in flight are dropped)."""
         self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=10)
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._ctx.destroy(linger=0)
@@ -155,7 +167,15 @@ class Worker(ABC):
         except Exception as exc:
             self._crashed(exc)
 
+    def _beat(self) -> None:
+        """Heartbeats while the loop runs (one that stopped has said so: WorkerFailed)."""
+        loop = self._thread
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S) and loop is not None and loop.is_alive():
+            busy = time.monotonic() - self._round_started
+            self._send(msg.Heartbeat(self.worker_id, busy))
+
     def _round(self) -> None:
+        self._round_started = time.monotonic()
         if not self._thread_failures.empty():
             raise ThreadFailed(self._thread_failures.get_nowait())
         self._drain(self._poll_ms())
@@ -217,8 +237,9 @@ class Worker(ABC):
         """To the API server. The queue is unbounded, so this only fails when no API server
         is connected (not yet, or it stopped or dropped this worker): then the message has
         nobody to go to, and blocking here would hang the loop and its shutdown."""
-        with contextlib.suppress(zmq.Again):
-            self._outputs.send(msg.encode(message), zmq.NOBLOCK)
+        data = msg.encode(message)
+        with self._send_lock, contextlib.suppress(zmq.Again):
+            self._outputs.send(data, zmq.NOBLOCK)
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
