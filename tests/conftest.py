@@ -15,6 +15,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_tokenizer, resolve_model
+from tests.support.disagg import PROMPTS, Reference, reference
 from tests.support.server_process import ServerProcess, serve
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -65,6 +66,13 @@ def free_engines() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def smollm2_llm(make_llm: Callable[..., LLM]) -> LLM:
     return make_llm()
+
+
+@pytest.fixture(scope="session")
+def prompts_reference(smollm2_llm: LLM) -> list[Reference]:
+    """The offline engine's greedy outputs for tests/support/disagg.py's 30 prompts, computed
+    once for the modules that send them to a deployment (1P1D and 2P1D, full and streamed)."""
+    return reference(smollm2_llm, PROMPTS)
 
 
 @pytest.fixture(scope="session")

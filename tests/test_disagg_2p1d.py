@@ -14,7 +14,7 @@ import pytest
 from splitserve.config import PrefixIndexConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-from tests.support.disagg import MODEL, PROMPTS, completions, reference
+from tests.support.disagg import MODEL, PROMPTS, Reference, completions
 from tests.support.prefix_counters import chosen, counters, delta, prompt_ids, reused, system_prompt
 from tests.support.server_process import ServerProcess, serve, worker_metric
 from tests.support.wait import wait_for
@@ -33,9 +33,9 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
 def test_30_prompts_through_2_prefill_workers_equal_colocated(
-    server: ServerProcess, smollm2_llm: LLM, stream: bool
+    server: ServerProcess, prompts_reference: list[Reference], stream: bool
 ) -> None:
-    assert completions(server.url, PROMPTS, stream) == reference(smollm2_llm, PROMPTS)
+    assert completions(server.url, PROMPTS, stream) == prompts_reference
 
 
 def test_round_robin_sent_kv_from_both_prefill_workers(server: ServerProcess) -> None:

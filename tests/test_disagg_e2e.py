@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-from tests.support.disagg import MAX_TOKENS, MODEL, PROMPTS, completions, kv_bytes, reference
+from tests.support.disagg import MAX_TOKENS, MODEL, PROMPTS, Reference, completions, kv_bytes
 from tests.support.server_process import ServerProcess, worker_metric
 from tests.support.wait import wait_for
 
@@ -25,9 +25,9 @@ def server(default_server: ServerProcess) -> ServerProcess:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
 def test_30_prompts_greedy_equal_colocated_token_for_token(
-    server: ServerProcess, smollm2_llm: LLM, stream: bool
+    server: ServerProcess, prompts_reference: list[Reference], stream: bool
 ) -> None:
-    assert completions(server.url, PROMPTS, stream) == reference(smollm2_llm, PROMPTS)
+    assert completions(server.url, PROMPTS, stream) == prompts_reference
 
 
 def test_32_concurrent_chat_streams_equal_colocated(

@@ -17,10 +17,12 @@ PROMPTS = [
     f"Prompt {i}. Tell me one short fact about {TOPICS[i % len(TOPICS)]}. " + "Be brief. " * (i % 9)
     for i in range(30)
 ]
+Reference = tuple[str, list[str], str | None]
+"""A prompt's greedy output: its text, one decoded string per token, its finish reason."""
 
 
-def reference(llm: LLM, prompts: list[str]) -> list[tuple[str, list[str], str | None]]:
-    """Colocated greedy outputs: (text, one decoded string per token, finish reason)."""
+def reference(llm: LLM, prompts: list[str]) -> list[Reference]:
+    """Colocated greedy outputs, one per prompt."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
     result = []
     for out in llm.generate(prompts, params, use_tqdm=False):
