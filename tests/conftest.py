@@ -53,6 +53,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Back in the collector's sight for the interpreter's last collections at exit (frozen,
+    Triton's bindings reported their objects as leaked)."""
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def free_engines() -> Iterator[None]:
     """Collect the module's engines when it ends. An engine is a reference cycle (its KV
