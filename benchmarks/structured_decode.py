@@ -12,7 +12,6 @@ token). Prints a table and one JSON line last; --out writes the JSON to a file.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from splitserve.bench.report import header
+from splitserve.bench.report import emit, header
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import is_random_shape
@@ -151,11 +150,7 @@ def main() -> int:
     config = {**vars(args), "out": str(args.out), "schema": SCHEMA}
     report = {**header(config), "overlapped": engine.runner.overlapped is not None}
     report["results"] = results
-    line = json.dumps(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
-    print(line)
+    emit(report, args.out)
     return 0
 
 

@@ -12,7 +12,6 @@ Prints ms per step (mean and median) and one JSON line last; --out writes the JS
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -27,7 +26,7 @@ import torch
 import xgrammar as xgr
 
 from benchmarks.structured_decode import SCHEMA, synthetic_vocabulary
-from splitserve.bench.report import header
+from splitserve.bench.report import emit, header
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.engine.structured.grammar import GrammarCompiler
 from splitserve.engine.structured.matcher import FILL_THREADS, BatchMasks
@@ -117,11 +116,7 @@ def main() -> int:
     config = {**vars(args), "out": str(args.out), "schema": SCHEMA}
     report = {**header(config), "cpu_count": os.cpu_count(), "fill_threads": FILL_THREADS}
     report["results"] = results
-    line = json.dumps(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
-    print(line)
+    emit(report, args.out)
     return 0
 
 

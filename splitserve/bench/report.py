@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 from collections.abc import Sequence
@@ -96,3 +97,12 @@ def header(config: dict[str, Any]) -> dict[str, Any]:
         "model_id": config.get("model"),
         "config": config,
     }
+
+
+def emit(report: dict[str, Any], out: Path | None) -> None:
+    """Print the report as one JSON line, the last of the run, and write it to ``out``."""
+    line = json.dumps(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(line + "\n")
+    print(line)
