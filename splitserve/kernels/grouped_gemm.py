@@ -17,6 +17,8 @@ routed expert's weight once, which is the bound.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -40,10 +42,7 @@ def _grouped_gemm_kernel(
     end = tl.load(offsets_ptr + expert + 1)
     out_rows = start + tl.arange(0, BLOCK_M)
     row_mask = out_rows < end
-    if GATHER:
-        in_rows = tl.load(rows_ptr + out_rows, mask=row_mask, other=0)
-    else:
-        in_rows = out_rows
+    in_rows = tl.load(rows_ptr + out_rows, mask=row_mask, other=0) if GATHER else out_rows
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -67,7 +66,8 @@ def _grouped_gemm_kernel(
 
 
 def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """[2, max_tiles] int32: each tile's expert (``E`` past the real tiles) and first row.
+    """[2, max_tiles] int32: each tile's expert and first row (expert ``E`` and the row count
+    past the real tiles).
 
     offsets: [E + 1] row offsets of the experts (on the device; never read on the host)."""
     num_experts = offsets.numel() - 1
@@ -80,6 +80,7 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
     clamped = expert.clamp(max=num_experts - 1)
     first_tile = ends[clamped] - tiles[clamped]
     start = offsets[clamped] + (index - first_tile) * block_m
+    start = torch.where(expert < num_experts, start, offsets[-1])
     return torch.stack([expert, start]).to(torch.int32)
 
 
@@ -127,7 +128,7 @@ def grouped_gemm_ref(
     gathered = x if rows is None else x[rows]
     out = torch.empty((gathered.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
     bounds = offsets.tolist()
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
         if end > start:
             out[start:end] = F.linear(gathered[start:end], weight[expert])
     return out

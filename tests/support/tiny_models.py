@@ -1,5 +1,6 @@
-"""Small random models of the Llama family and its MoE relatives (Mixtral, Qwen3-MoE), saved as Hugging Face directories (safetensors)
-with SmolLM2's tokenizer, for tests that need a real checkpoint that loads in a moment."""
+"""Small random models of the Llama family and its MoE relatives (Mixtral, Qwen3-MoE), saved
+as Hugging Face directories (safetensors) with SmolLM2's tokenizer, for tests that need a real
+checkpoint that loads in a moment."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ decode step of an MoE model is captured in a CUDA graph like a dense one.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -76,7 +77,9 @@ def combine(sorted_out: torch.Tensor, perm: Permutation, weights: torch.Tensor) 
     summed in float32 over its slots, in slot order."""
     tokens, top_k = weights.shape
     unsorted = torch.empty_like(sorted_out).index_copy_(0, perm.order, sorted_out)
-    summed = (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
+    summed = (
+        unsorted.view(tokens, top_k, sorted_out.shape[-1]).float() * weights.unsqueeze(-1)
+    ).sum(dim=1)
     return summed.to(sorted_out.dtype)
 
 
@@ -95,7 +98,7 @@ def grouped_gemm(
     gathered = x if rows is None else x[rows]
     out = torch.empty((gathered.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
     bounds = offsets.tolist()
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
         if end > start:
             out[start:end] = F.linear(gathered[start:end], weight[expert])
     return out

@@ -8,6 +8,8 @@ Qwen3-MoE (``qwen3_moe.py``) derives from this class.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -20,7 +22,11 @@ from splitserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, Ll
 class MixtralForCausalLM(LlamaForCausalLM):
     expert_block = "block_sparse_moe"
     """The MoE MLP's module name in the checkpoint (``model.layers.N.<expert_block>.gate``)."""
-    expert_projections = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+    expert_projections: ClassVar[dict[str, tuple[str, int]]] = {
+        "w1": ("w13", 0),
+        "w3": ("w13", 1),
+        "w2": ("w2", 0),
+    }
     """Per-expert tensor -> (our stacked parameter, its slice: 0 gate or down, 1 up)."""
 
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:

@@ -4,11 +4,12 @@ config says (``mlp_only_layers``, ``decoder_sparse_step``)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from splitserve.engine.layers.attention import AttentionBackend
-from splitserve.engine.layers.moe import SparseMoE
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -34,7 +35,7 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):
     expert_block = "mlp"
-    expert_projections = {
+    expert_projections: ClassVar[dict[str, tuple[str, int]]] = {
         "gate_proj": ("w13", 0),
         "up_proj": ("w13", 1),
         "down_proj": ("w2", 0),
@@ -43,9 +44,9 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
         config = moe(cfg)
         if index in config.dense_layers:
-            return LlamaDecoderLayer(cfg, backend, self.build_attention(cfg, backend), LlamaMLP(cfg))
+            attention = self.build_attention(cfg, backend)
+            return LlamaDecoderLayer(cfg, backend, attention, LlamaMLP(cfg))
         return super().build_layer(cfg, backend, index)
 
     def build_attention(self, cfg: ModelConfig, backend: AttentionBackend) -> LlamaAttention:
         return Qwen3Attention(cfg, backend) if cfg.qk_norm else LlamaAttention(cfg, backend)
-
