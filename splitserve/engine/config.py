@@ -32,6 +32,8 @@ class EngineConfig:
     """Prepare decode step N+1 while the device runs step N (engine/overlap.py); None: on
     CUDA only, where the host's work can hide behind the device's."""
     seed: int = 0
+    record_expert_load: bool = False
+    """MoE models: keep each step's per-expert load (``engine/expert_load.py``)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.expert_load import ExpertLoadRecorder
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
     eos_token_ids,
@@ -96,6 +97,7 @@ class LLMEngine:
             else None
         )
         self.sampler = Sampler(config.seed)
+        self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -242,6 +244,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.num_steps += 1
+        self.expert_load.mark_step()
         if max_batch and is_decode_batch(batch, max_batch):
             return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"

@@ -165,6 +165,21 @@ SHAPES = {
         rope_theta=10000.0,
         tie_word_embeddings=False,
     ),
+    # Test-sized MoE: 8 experts, top-2 (tests/test_moe_engine.py).
+    "tiny-mixtral": _shape(
+        architecture="mixtral",
+        max_position_embeddings=2048,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=96, renormalize=True),
+    ),
     "smollm2-135m": _shape(
         vocab_size=49152,
         hidden_size=576,
