@@ -3,7 +3,8 @@ without rebalancing, and models the decode step time from per-rank loads.
 
 Every ``interval_steps`` steps the rebalancer (``placement.rebalance``) computes a placement
 from the interval just ended, and the next interval runs on it (the first runs on the static
-placement, as a group does before it has counted anything). Reported per layer and averaged:
+placement, as a group does before it has counted anything, and is left out of the averages
+of both runs unless it is the only one). Reported per layer and averaged:
 
 - interval imbalance: max / mean of the ranks' loads summed over an interval (what EPLB
   balances: the expected load; intervals after the first);
@@ -69,14 +70,16 @@ def simulate_layer(
     """One layer's trace [steps, experts] replayed with (balanced) or without EPLB."""
     num_experts = trace.shape[1]
     placement = static_placement(num_experts, cfg.num_ranks)
-    interval, step_imb, step_us = [], [], []
+    interval: list[float] = []
+    step_imb: list[float] = []
+    step_us: list[float] = []
     for start in range(0, trace.shape[0], cfg.interval_steps):
         window = trace[start : start + cfg.interval_steps]
-        if start > 0:
+        if start > 0 or trace.shape[0] <= cfg.interval_steps:
             interval.append(imbalance(placement.rank_loads(window.sum(dim=0))))
-        imb, us = _step_stats(placement, window, costs)
-        step_imb.append(imb)
-        step_us.append(us)
+            imb, us = _step_stats(placement, window, costs)
+            step_imb.append(imb)
+            step_us.append(us)
         if balanced:
             nodes = max(1, cfg.num_ranks // cfg.ranks_per_node)
             placement = rebalance(
