@@ -47,7 +47,7 @@ def test_combine_weights_each_tokens_rows_back_in_slot_order() -> None:
     # Sorted rows: expert 0 serves (token 0, slot 1), (token 1, slot 0); expert 1 the others.
     sorted_out = torch.tensor([[1.0], [2.0], [10.0], [20.0]])
     weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
-    out = combine(sorted_out, perm, weights)
+    out = combine(sorted_out, perm.order, weights)
     assert out.tolist() == [[10.0 * 0.75 + 1.0 * 0.25], [2.0 * 0.5 + 20.0 * 0.5]]
 
 

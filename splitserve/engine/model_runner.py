@@ -15,7 +15,7 @@ from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
-from splitserve.engine.models.registry import model_class
+from splitserve.engine.models.registry import expert_parallel, model_class
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import greedy_tokens
@@ -78,7 +78,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(cfg)(cfg, backend)
+                model = model_class(cfg)(cfg, backend, **expert_parallel(self.config, cfg))
         finally:
             torch.set_default_dtype(previous)
         if weights_path is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import use_kernels
+
+if TYPE_CHECKING:
+    from splitserve.engine.expert_parallel import ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,11 @@ def permute(experts: torch.Tensor, num_experts: int) -> Permutation:
     return Permutation(order, order // experts.shape[1], offsets)
 
 
-def combine(sorted_out: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
-    """[T * top_k, H] rows in expert order -> [T, H]: each token's rows times their weights,
-    summed in float32 over its slots, in slot order."""
+def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T * top_k, H] rows, row i that of flat (token, slot) ``order[i]`` -> [T, H]: each
+    token's rows times their weights, summed in float32 over its slots, in slot order."""
     tokens, top_k = weights.shape
-    unsorted = torch.empty_like(sorted_out).index_copy_(0, perm.order, sorted_out)
+    unsorted = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
     summed = (
         unsorted.view(tokens, top_k, sorted_out.shape[-1]).float() * weights.unsqueeze(-1)
     ).sum(dim=1)
@@ -110,7 +114,7 @@ def experts_forward(
     """The routed SwiGLU experts of tokens x [T, H]: w13 [E, 2I, H] (gate | up), w2 [E, H, I]."""
     gate_up = grouped_gemm(x, w13, perm.offsets, perm.rows)
     down = grouped_gemm(silu_and_mul(gate_up), w2, perm.offsets)
-    return combine(down, perm, routing.weights)
+    return combine(down, perm.order, routing.weights)
 
 
 class SparseMoE(nn.Module):
@@ -120,18 +124,18 @@ class SparseMoE(nn.Module):
     ``expert_load`` counts the (token, slot) pairs routed to each expert since it was last
     zeroed (the engine's load counter reads it after each step)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, ep: ExpertParallel | None = None) -> None:
         super().__init__()
-        self.moe = moe
-        experts, inter = moe.num_experts, moe.intermediate_size
-        self.gate = nn.Linear(hidden_size, experts, bias=False)
+        self.moe, self.ep, self.hidden_size = moe, ep, hidden_size
+        experts, inter = (moe.num_experts if ep is None else ep.width), moe.intermediate_size
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, hidden_size, inter))
         # nn.Linear's default initialization, for random-weight shapes.
         nn.init.uniform_(self.w13, -1 / math.sqrt(hidden_size), 1 / math.sqrt(hidden_size))
         nn.init.uniform_(self.w2, -1 / math.sqrt(inter), 1 / math.sqrt(inter))
         self.expert_load: torch.Tensor
-        self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64), False)
+        self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64), False)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -140,7 +144,18 @@ class SparseMoE(nn.Module):
             h, residual = norm(x), x
         else:
             h, residual = norm.add_and_norm(x, residual)
-        routing = route(dense(h, self.gate), self.moe.top_k, self.moe.renormalize)
+        return self.experts(h), residual
+
+    def experts(self, h: torch.Tensor) -> torch.Tensor:
+        """The MoE MLP of normed tokens h [T, H] (T may be 0 on an idle expert-parallel rank)."""
+        logits = dense(h, self.gate) if h.shape[0] else h.new_empty((0, self.moe.num_experts))
+        routing = route(logits, self.moe.top_k, self.moe.renormalize)
         perm = permute(routing.experts, self.moe.num_experts)
         self.expert_load += perm.counts
-        return experts_forward(h, self.w13, self.w2, routing, perm), residual
+        if self.ep is not None:
+            return self.ep.run(h, routing, self.w13, self.w2)
+        return experts_forward(h, self.w13, self.w2, routing, perm)
+
+    def idle(self) -> None:
+        """An expert-parallel rank with no tokens: its experts still serve the others'."""
+        self.experts(self.gate.weight.new_empty((0, self.hidden_size)))

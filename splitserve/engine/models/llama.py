@@ -150,10 +150,16 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]
 
-    def weight_target(self, hf_name: str) -> tuple[str, int]:
-        """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice);
-        a parameter of 3 or more dimensions counts rows of all but its last, flattened."""
-        return fused_target(hf_name, self.config)
+    def weight_targets(self, hf_name: str) -> list[tuple[str, int]]:
+        """A checkpoint tensor's Hugging Face name -> where it goes: (our parameter, first row
+        of its slice) for each copy, none for a tensor this model does not hold (an expert
+        on another rank); a parameter of 3 or more dimensions counts rows of all but its
+        last, flattened."""
+        return [fused_target(hf_name, self.config)]
+
+    def required_rows(self, name: str, param: torch.Tensor) -> int:
+        """How many rows of ``param`` the checkpoint must fill (all of them here)."""
+        return _rows(param)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -167,9 +173,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, offset = self.weight_target(hf_name)
-            filled[name] += _copy_rows(params[name], offset, tensor)
-        missing = sorted(n for n, p in params.items() if filled[n] != _rows(p))
+            for name, offset in self.weight_targets(hf_name):
+                filled[name] += _copy_rows(params[name], offset, tensor)
+        missing = sorted(n for n, p in params.items() if filled[n] != self.required_rows(n, p))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
