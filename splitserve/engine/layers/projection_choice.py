@@ -89,7 +89,7 @@ def _choose(modules: list[nn.Module]) -> Choice:
             break
         x = torch.randn(rows, _in_features(first))
         micros[rows] = {name: _time(fn, x) for name, fn in candidates.items()}
-    limit = _first_max_rows(micros, next(iter(candidates)))
+    limit = first_max_rows(micros, next(iter(candidates)))
     for module in modules:
         if isinstance(module, BlockLinear):
             module.native_max_rows = limit
@@ -115,7 +115,7 @@ def _candidates(module: nn.Module) -> dict[str, Candidate]:
     return cands
 
 
-def _first_max_rows(micros: dict[int, dict[str, float]], first: str) -> int | None:
+def first_max_rows(micros: dict[int, dict[str, float]], first: str) -> int | None:
     """The largest measured row count up to which the first candidate always won."""
     best_up_to: int | None = 0
     for rows, cands in micros.items():
