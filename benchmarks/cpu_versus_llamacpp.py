@@ -45,9 +45,8 @@ def main(ours_path: str, llamacpp_path: str, float32_path: str | None = None) ->
     for batch, rate in sorted(rates.items()):
         extra = f", float32+torch {before[batch]:.1f}" if batch in before else ""
         hf = f", transformers {transformers[batch]:.1f}" if batch in transformers else ""
-        print(
-            f"splitserve batch {batch}: {rate:.1f} tok/s = {rate / base:.2f}x llama.cpp b1{hf}{extra}"
-        )
+        ratio = rate / base
+        print(f"splitserve batch {batch}: {rate:.1f} tok/s = {ratio:.2f}x llama.cpp b1{hf}{extra}")
     print(f"wrote {out}")
 
 
