@@ -39,25 +39,31 @@ fi
 
 free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-serve_and_bench() {  # $1 config file, $2 tag
-    local port pid
+serve_and_bench() {  # $1 config file, $2 tag, then --set overrides
+    local port pid config=$1 tag=$2
+    shift 2
     port=$(free_port)
-    "$BIN/splitserve" serve --config "$1" --set server.port="$port" >"$OUT/cpu-serve-$2.log" 2>&1 &
+    "$BIN/splitserve" serve --config "$config" --set server.port="$port" "$@" \
+        >"$OUT/cpu-serve-$tag.log" 2>&1 &
     pid=$!
     for _ in $(seq 240); do
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        kill -0 "$pid" 2>/dev/null || { echo "server for $2 died; see $OUT/cpu-serve-$2.log"; exit 1; }
+        kill -0 "$pid" 2>/dev/null || { echo "server for $tag died; see $OUT/cpu-serve-$tag.log"; exit 1; }
         sleep 1
     done
     "$BIN/splitserve" bench serve --base-url "http://127.0.0.1:$port" --endpoint completions \
         --dataset random --random-input-len 256 --random-output-len 64 --ignore-eos \
         --num-prompts "$PROMPTS" --sweep-rates "$RATES" --seed 0 \
         --tokenizer smollm2-135m-instruct --disable-tqdm \
-        --result-file "$OUT/cpu-serve-$2.json" --plot-file "$OUT/cpu-serve-$2.png" || true
+        --result-file "$OUT/cpu-serve-$tag.json" --plot-file "$OUT/cpu-serve-$tag.png" || true
     kill -TERM "$pid"
     wait "$pid" || true
 }
 
 serve_and_bench configs/colocated.yaml colocated
 serve_and_bench configs/local.yaml 1p1d
+# The same deployment on float32 weights (the engine before GGUF blocks were kept): the
+# served gain, beside the offline one.
+serve_and_bench configs/local.yaml 1p1d-float32 --set pools.prefill.engine.dtype=float32 \
+    --set pools.decode.engine.dtype=float32
 "$BIN/python" benchmarks/summarize.py "$OUT"/cpu-*.json
