@@ -3,7 +3,8 @@
 With ``dtype="auto"`` on the CPU, every projection and embedding whose tensors the file stores
 in a block type the native kernels read (Q4_0, Q4_1, Q8_0) stays in those blocks
 (``engine/layers/block_linear.py``); a fused projection (q|k|v, gate|up) does when all its
-parts share one such type, and a projection with a bias (Qwen2's q|k|v) is dequantized. Everything else, and everything with ``dtype="float32"`` (the
+parts share one such type, and a projection with a bias (Qwen2's q|k|v) is dequantized.
+Everything else, and everything with ``dtype="float32"`` (the
 oracle tests' mode), is dequantized to float32 as before.
 """
 
