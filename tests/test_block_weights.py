@@ -110,7 +110,9 @@ def test_smollm2_block_mode_logits_equal_float32_mode_to_rounding(
     prompt = smollm2_llm.tokenizer.encode("The three primary colors are")
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     blocks = smollm2_llm.generate([prompt], params)[0].outputs[0]
-    dense = make_llm(dtype="float32").generate([prompt], params)[0].outputs[0]
+    dense_llm = make_llm(dtype="float32")
+    assert dense_llm.engine.runner.model.native_decode is None  # float32 takes the modules
+    dense = dense_llm.generate([prompt], params)[0].outputs[0]
     assert blocks.token_ids == dense.token_ids
     top_blocks, top_dense = blocks.logprobs[0], dense.logprobs[0]
     assert set(top_blocks) == set(top_dense)
