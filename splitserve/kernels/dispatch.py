@@ -3,8 +3,8 @@
 The kernels run on CUDA tensors when Triton is installed; CPU tensors do not take them (they
 take the native CPU kernels of ``kernels/native/`` where those are built, else torch).
 ``set_kernels_enabled(False)`` turns the kernels off (for A/B benchmarks and for debugging);
-``set_kernels_on_cpu(True)`` sends CPU tensors through them too, which under ``TRITON_INTERPRET=1`` is how the tests run the whole
-model on the kernels without a GPU.
+``set_kernels_on_cpu(True)`` sends CPU tensors through them too, which under
+``TRITON_INTERPRET=1`` is how the tests run the whole model on the kernels without a GPU.
 """
 
 from __future__ import annotations
