@@ -14,6 +14,7 @@ from torch import nn
 
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
+from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
@@ -120,6 +121,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.native_decode: NativeDecode | None = None
+        """Set by the model runner where the whole layer stack runs natively for steps of
+        decode tokens (CPU, GGUF blocks; ``layers/native_decode.py``)."""
 
     def forward(
         self,
@@ -136,8 +140,11 @@ class LlamaForCausalLM(nn.Module):
         if image_embeds is not None:
             rows, values = image_embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, meta)
+        if self.native_decode is not None and self.native_decode.takes(x, meta):
+            x, residual = self.native_decode.run(x, positions, meta)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
@@ -150,12 +157,17 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]
 
+    def weight_target(self, hf_name: str) -> tuple[str, int]:
+        """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice
+        there): q/k/v land in qkv_proj, gate/up in gate_up_proj."""
+        return fused_target(hf_name, self.config)
+
     def weight_targets(self, hf_name: str) -> list[tuple[str, int]]:
         """A checkpoint tensor's Hugging Face name -> where it goes: (our parameter, first row
         of its slice) for each copy, none for a tensor this model does not hold (an expert
         on another rank); a parameter of 3 or more dimensions counts rows of all but its
         last, flattened."""
-        return [fused_target(hf_name, self.config)]
+        return [self.weight_target(hf_name)]
 
     def required_rows(self, name: str, param: torch.Tensor) -> int:
         """How many rows of ``param`` the checkpoint must fill (all of them here)."""
