@@ -3,9 +3,10 @@
 Synthetic ones draw each token's top_k distinct experts from a Zipf popularity (Gumbel top-k,
 i.e. sampling without replacement in proportion to the weights): expert ranked r in a layer has
 weight 1 / (r + 1) ** exponent, the ranking a random permutation per layer. A drifting trace
-rotates the ranking by one place every ``1 / drift`` steps, so the hot experts change while
-the system serves. Recorded traces come from the engine (``EngineConfig.record_expert_load``,
-``engine/expert_load.py``) and are saved as JSON.
+rotates the ranking by one place every ``1 / drift`` steps: every expert climbs one place and
+the hottest drops to the coldest, so the hot set changes while the system serves. Recorded
+traces come from the engine (``EngineConfig.record_expert_load``, ``engine/expert_load.py``)
+and are saved as JSON.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def zipf_trace(
     ranking = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(layers)])
     trace = torch.zeros((steps, layers, num_experts), dtype=torch.int64)
     for step in range(steps):
-        shifted = (ranking + int(step * drift)) % num_experts
+        shifted = (ranking - int(step * drift)) % num_experts
         log_weights = -exponent * torch.log1p(shifted.float())
         uniform = torch.rand((layers, tokens_per_step, num_experts), generator=generator)
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-30)))
