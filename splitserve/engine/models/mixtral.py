@@ -2,7 +2,7 @@
 (``layers/moe.py``: softmax top-k router, renormalized; SwiGLU experts).
 
 Each layer's experts are two stacked parameters, ``w13`` [E, 2 * I, H] (gate | up) and ``w2``
-[E, H, I]; ``weight_target`` maps the checkpoint's per-expert tensors onto their rows.
+[E, H, I]; ``weight_targets`` maps the checkpoint's per-expert tensors onto their rows.
 Qwen3-MoE (``qwen3_moe.py``) derives from this class.
 """
 
