@@ -96,7 +96,7 @@ class ExpertParallel:
         recv = self.counts(torch.tensor(send))
         rows = self.exchange(h[order // top_k], send, recv)
         slots = self.exchange(slot[order], send, recv)
-        local = Routing(torch.ones((len(slots), 1)), slots[:, None])
+        local = Routing(torch.ones((len(slots), 1), device=h.device), slots[:, None])
         out = experts_forward(rows, w13, w2, local, permute(local.experts, self.width))
         return combine(self.exchange(out, recv, send), order, routing.weights)
 
