@@ -84,6 +84,10 @@ class Metrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache", ("tier",)
         )
+        self.rejected_messages = counter(
+            "rejected_messages",
+            "Internal messages dropped unread: their HMAC is missing or wrong",
+        )
         self.router_decisions = Counter(
             "splitserve:router_decisions",
             "Routing decisions, by policy and stage (prefill, decode)",
