@@ -88,6 +88,10 @@ class Metrics:
             "rejected_messages",
             "Internal messages dropped unread: their HMAC is missing or wrong",
         )
+        self.prefix_lookup_timeouts = counter(
+            "prefix_lookup_timeouts",
+            "Requests routed by load alone: the prefix index did not answer in time",
+        )
         self.router_decisions = Counter(
             "splitserve:router_decisions",
             "Routing decisions, by policy and stage (prefill, decode)",

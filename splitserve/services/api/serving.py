@@ -142,7 +142,7 @@ def traffic_class(state: ServerState, request: Request) -> str:
     return name
 
 
-def submit(
+async def submit(
     state: ServerState,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
@@ -159,7 +159,7 @@ def submit(
             choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
             requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
     try:
-        return state.exchange.submit(requests, traffic, images)
+        return await state.exchange.admit(requests, traffic, images)
     except NoWorkerError as exc:
         raise APIError(503, str(exc), "server_error", code="no_worker") from exc
     except QueueFullError as exc:
