@@ -21,6 +21,7 @@ from torch import nn
 
 _enabled = True
 _PACKED = "_splitserve_onednn"
+_MAX_ROWS = "_splitserve_onednn_max_rows"
 
 
 def set_onednn_enabled(enabled: bool) -> None:
@@ -45,11 +46,22 @@ def onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
     """layer(x) through oneDNN for float32 CPU tensors; None where it does not apply."""
     if not (_enabled and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
+    limit = getattr(layer, _MAX_ROWS, None)
+    if limit is not None and x.reshape(-1, x.shape[-1]).shape[0] > limit:
+        return None
     packed = _packed(layer)
     if packed is None:
         return None
     bias = None if layer.bias is None else layer.bias.detach()
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def set_onednn_max_rows(layer: nn.Linear, max_rows: int | None) -> None:
+    """Steps of more than max_rows rows take ``F.linear`` (None: none do); 0 also drops the
+    packed copy, which the layer then never uses (``projection_choice.py`` measures this)."""
+    object.__setattr__(layer, _MAX_ROWS, max_rows)
+    if max_rows == 0 and hasattr(layer, _PACKED):
+        object.__delattr__(layer, _PACKED)
 
 
 def prepack(model: nn.Module) -> int:

@@ -129,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]
 
+    def weight_target(self, hf_name: str) -> tuple[str, int]:
+        """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice
+        there): q/k/v land in qkv_proj, gate/up in gate_up_proj."""
+        return _fused_target(hf_name, self.config)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -141,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, offset = _fused_target(hf_name, self.config)
+            name, offset = self.weight_target(hf_name)
             param = params[name]
             rows = tensor.shape[0]
             param.data[offset : offset + rows].copy_(tensor.to(param.dtype))
