@@ -22,7 +22,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex
 from splitserve.router.policy import Candidate
 
-WAIT_S = 0.05
+WAIT_S = 0.1
 """How long a request waits for a remote index's answer before it is routed by load."""
 THREADS = 4
 

@@ -170,7 +170,7 @@ def _logprobs(
 ) -> dict[str, Any]:
     def entry(e: TokenLogprob) -> dict[str, Any]:
         text = sv.token_text(state, e)
-        return {"token": text, "logprob": e.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": sv.json_logprob(e), "bytes": list(text.encode())}
 
     content = []
     for position in positions:

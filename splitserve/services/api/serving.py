@@ -250,6 +250,18 @@ def token_text(state: ServerState, entry: TokenLogprob) -> str:
     return str(state.tokenizer.decode([entry.token_id]))
 
 
+LOWEST_LOGPROB = -9999.0
+"""What a logprob of -inf (a token a structured-output grammar masked) is reported as: JSON has
+no infinity (a response holding one failed with a 500, a stream sent invalid JSON), and
+-9999.0 is what vLLM reports."""
+
+
+def json_logprob(entry: TokenLogprob) -> float:
+    """The entry's logprob as JSON can carry it: finite, at least LOWEST_LOGPROB."""
+    value = entry.logprob
+    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB
+
+
 def top_entries(position: list[TokenLogprob], n: int) -> list[TokenLogprob]:
     """The n most likely tokens at a position (the sampled token may or may not be among them)."""
     return sorted(position, key=lambda e: e.rank)[:n]
