@@ -11,7 +11,12 @@ from torch import nn
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.layers.block_linear import BlockEmbedding, BlockLinear, to_block_layers
-from splitserve.engine.layers.projection_choice import choose_cpu_paths, first_max_rows
+from splitserve.engine.layers.cpu_gemm import (
+    onednn_available,
+    onednn_linear,
+    set_onednn_choice,
+)
+from splitserve.engine.layers.projection_choice import F_LINEAR, choose_cpu_paths, pick
 from splitserve.kernels.native.blocks import Q4_1, Q8_0, dequantize_ref, native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler here")
@@ -45,15 +50,26 @@ def test_block_linear_past_its_native_rows_takes_the_dequantized_gemm() -> None:
     x = torch.randn(5, 64, generator=gen)
     expected = x @ dequantize_ref(layer.weight, Q4_1).T
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    layer.native_max_rows = 4
+    layer.dequantize_from = 4
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_first_max_rows_is_the_last_count_the_first_candidate_won() -> None:
-    fast, slow = 1.0, 2.0
-    assert first_max_rows({1: {"a": fast, "b": slow}, 16: {"a": fast, "b": slow}}, "a") is None
-    assert first_max_rows({1: {"a": fast, "b": slow}, 16: {"a": slow, "b": fast}}, "a") == 1
-    assert first_max_rows({1: {"a": slow, "b": fast}, 16: {"a": fast, "b": slow}}, "a") == 0
+def test_pick_takes_the_choice_of_the_largest_measured_count_not_above() -> None:
+    table = ((1, "a"), (16, "b"), (128, "a"))
+    assert [pick(table, rows) for rows in (1, 15, 16, 127, 128, 4096)] == list("aabbaa")
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear")
+def test_a_layer_that_never_takes_onednn_drops_its_packed_copy() -> None:
+    layer = nn.Linear(32, 16)
+    x = torch.randn(3, 32)
+    assert onednn_linear(x, layer) is not None
+    set_onednn_choice(layer, lambda rows: rows >= 8, ever=True)
+    assert onednn_linear(x, layer) is None
+    assert onednn_linear(torch.randn(8, 32), layer) is not None
+    set_onednn_choice(layer, lambda rows: False, ever=False)
+    assert not hasattr(layer, "_splitserve_onednn")
+    assert onednn_linear(x, layer) is None
 
 
 def test_choose_cpu_paths_times_each_shape_once_and_logs_it(
@@ -65,6 +81,13 @@ def test_choose_cpu_paths_times_each_shape_once_and_logs_it(
     assert sorted((c.shape, c.modules) for c in choices) == [("f32 32x64", 2), ("f32 64x32", 1)]
     assert all(sorted(c.micros) == [1, 16, 128] for c in choices)
     assert sum("projection f32" in r.message for r in caplog.records) == 2
+    for module in model:
+        choice = next(
+            c for c in choices if c.shape == f"f32 {module.out_features}x{module.in_features}"
+        )
+        for rows in (1, 16, 200):
+            took_onednn = onednn_linear(torch.randn(rows, module.in_features), module) is not None
+            assert took_onednn == (pick(choice.table, rows) != F_LINEAR)
 
 
 @pytest.mark.slow
@@ -87,7 +110,9 @@ def test_smollm2_block_mode_logits_equal_float32_mode_to_rounding(
     prompt = smollm2_llm.tokenizer.encode("The three primary colors are")
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     blocks = smollm2_llm.generate([prompt], params)[0].outputs[0]
-    dense = make_llm(dtype="float32").generate([prompt], params)[0].outputs[0]
+    dense_llm = make_llm(dtype="float32")
+    assert dense_llm.engine.runner.model.native_decode is None  # float32 takes the modules
+    dense = dense_llm.generate([prompt], params)[0].outputs[0]
     assert blocks.token_ids == dense.token_ids
     top_blocks, top_dense = blocks.logprobs[0], dense.logprobs[0]
     assert set(top_blocks) == set(top_dense)

@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
 from splitserve.engine.layers.block_linear import to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
+from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.projection_choice import choose_cpu_paths
 from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
@@ -115,6 +116,8 @@ class ModelRunner:
         for index, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, index]
             attn.v_cache = self.kv_cache[1, index]
+        if self.device.type == "cpu":
+            self.model.native_decode = NativeDecode.build(self.model)
         return num_blocks
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:

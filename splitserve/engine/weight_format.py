@@ -3,13 +3,16 @@
 With ``dtype="auto"`` on the CPU, every projection and embedding whose tensors the file stores
 in a block type the native kernels read (Q4_0, Q4_1, Q8_0) stays in those blocks
 (``engine/layers/block_linear.py``); a fused projection (q|k|v, gate|up) does when all its
-parts share one such type. Everything else, and everything with ``dtype="float32"`` (the
+parts share one such type, and a projection with a bias (Qwen2's q|k|v) is dequantized.
+Everything else, and everything with ``dtype="float32"`` (the
 oracle tests' mode), is dequantized to float32 as before.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.loader import gguf_tensor_types, is_gguf
@@ -18,6 +21,8 @@ from splitserve.kernels.native.blocks import BLOCK_BYTES, native_available
 
 class WeightTargets(Protocol):
     def weight_target(self, hf_name: str) -> tuple[str, int]: ...
+
+    def get_submodule(self, target: str) -> nn.Module: ...
 
 
 def keeps_blocks(config: EngineConfig, path: str) -> bool:
@@ -44,7 +49,9 @@ def block_weight_plan(
     plan = {
         param: parts[0][1]
         for param, parts in sources.items()
-        if parts[0][1] in BLOCK_BYTES and len({qtype for _, qtype in parts}) == 1
+        if parts[0][1] in BLOCK_BYTES
+        and len({qtype for _, qtype in parts}) == 1
+        and getattr(model.get_submodule(param.removesuffix(".weight")), "bias", None) is None
     }
     keep = frozenset(name for param in plan for name, _ in sources[param])
     return plan, keep

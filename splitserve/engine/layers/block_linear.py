@@ -34,13 +34,13 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
         blocks = torch.zeros(out_features, row_bytes(qtype, in_features), dtype=torch.uint8)
         self.weight = nn.Parameter(blocks, requires_grad=False)
-        self.native_max_rows: int | None = None
-        """Steps of up to this many rows take the native kernel, larger ones dequantize and
-        take torch's GEMM; None: every step takes the native kernel."""
+        self.dequantize_from: int | None = None
+        """Steps of at least this many rows dequantize the weight and take torch's GEMM (as
+        measured at load, ``projection_choice.py``); None: every step takes the native kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.native_max_rows is None or flat.shape[0] <= self.native_max_rows:
+        if self.dequantize_from is None or flat.shape[0] < self.dequantize_from:
             out = block_matmul(flat, self.weight, self.qtype)
         else:
             out = torch.nn.functional.linear(flat, self.dequantized())

@@ -14,6 +14,7 @@ to ``F.linear`` (for A/B benchmarks); builds without oneDNN's linear ops never u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 _enabled = True
 _PACKED = "_splitserve_onednn"
-_MAX_ROWS = "_splitserve_onednn_max_rows"
+_ROWS = "_splitserve_onednn_rows"
 
 
 def set_onednn_enabled(enabled: bool) -> None:
@@ -42,12 +43,13 @@ def onednn_available() -> bool:
     return bool(torch.equal(out, torch.full((2, 8), 8.0)))
 
 
-def onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
-    """layer(x) through oneDNN for float32 CPU tensors; None where it does not apply."""
+def onednn_linear(x: torch.Tensor, layer: nn.Linear, force: bool = False) -> torch.Tensor | None:
+    """layer(x) through oneDNN for float32 CPU tensors; None where it does not apply or where
+    the layer's measured choice for this many rows is F.linear (unless force)."""
     if not (_enabled and x.device.type == "cpu" and x.dtype == torch.float32):
         return None
-    limit = getattr(layer, _MAX_ROWS, None)
-    if limit is not None and x.reshape(-1, x.shape[-1]).shape[0] > limit:
+    chosen = getattr(layer, _ROWS, None)
+    if chosen is not None and not force and not chosen(x.numel() // x.shape[-1]):
         return None
     packed = _packed(layer)
     if packed is None:
@@ -56,11 +58,12 @@ def onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def set_onednn_max_rows(layer: nn.Linear, max_rows: int | None) -> None:
-    """Steps of more than max_rows rows take ``F.linear`` (None: none do); 0 also drops the
-    packed copy, which the layer then never uses (``projection_choice.py`` measures this)."""
-    object.__setattr__(layer, _MAX_ROWS, max_rows)
-    if max_rows == 0 and hasattr(layer, _PACKED):
+def set_onednn_choice(layer: nn.Linear, takes_onednn: Callable[[int], bool], ever: bool) -> None:
+    """The layer takes oneDNN for a step of n rows where takes_onednn(n) (measured at load by
+    ``projection_choice.py``), else ``F.linear``; one that never does (not ever) drops its
+    packed copy."""
+    object.__setattr__(layer, _ROWS, takes_onednn)
+    if not ever and hasattr(layer, _PACKED):
         object.__delattr__(layer, _PACKED)
 
 

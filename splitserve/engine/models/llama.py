@@ -14,6 +14,7 @@ from torch import nn
 
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
+from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
@@ -103,6 +104,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.native_decode: NativeDecode | None = None
+        """Set by the model runner where the whole layer stack runs natively for steps of
+        decode tokens (CPU, GGUF blocks; ``layers/native_decode.py``)."""
 
     def forward(
         self,
@@ -119,8 +123,11 @@ class LlamaForCausalLM(nn.Module):
         if image_embeds is not None:
             rows, values = image_embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, meta)
+        if self.native_decode is not None and self.native_decode.takes(x, meta):
+            x, residual = self.native_decode.run(x, positions, meta)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

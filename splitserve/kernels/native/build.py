@@ -124,3 +124,22 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr,
     ]
     lib.splitserve_decode_attention.restype = i32
+    lib.splitserve_decode_layers.argtypes = [
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        f32,
+        f32,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+    ]
+    lib.splitserve_decode_layers.restype = i32
