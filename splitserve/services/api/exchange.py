@@ -1,6 +1,8 @@
 """The API server's request exchange: admission, the hops of each request, the output reader.
 
-``submit`` admits one API request's engine requests as a RequestGroup (QueueFullError past
+``admit`` asks the prefix index about the prompts (off the event loop when the index is
+remote: router/prefix_lookup.py) and hands its answers to ``submit``, which admits one API
+request's engine requests as a RequestGroup (QueueFullError past
 ``max_queue``), asks the router where each goes (router/router.py, a pure decision from the
 prefix index's answer and the pool's loads) and sends them. Colocated workers get a
 GenerateRequest. Disaggregated requests take two hops: Reserve to the decode worker, and,
@@ -34,7 +36,7 @@ from splitserve.services.api.inflight import InFlight
 from splitserve.services.api.request_group import QueueFullError, RequestGroup
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.api.worker_view import Tracked, WorkerState
-from splitserve.services.metrics import Metrics
+from splitserve.services.metrics import API_POOL, Metrics
 
 SWEEP_INTERVAL_S = 1.0
 
@@ -71,29 +73,46 @@ class RequestExchange:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self.pool.close()
+        if self.prefix is not None:
+            self.prefix.close()
 
     @property
     def num_admitted(self) -> int:
         return len(self.inflight)
+
+    async def admit(
+        self,
+        requests: Sequence[tuple[str, list[int], SamplingParams]],
+        traffic_class: str | None = None,
+        images: PromptImages | None = None,
+    ) -> RequestGroup:
+        """``submit``, with the prefix index's answers for the prompts asked first."""
+        cached = await self._cached([prompt_ids for _, prompt_ids, _ in requests])
+        return self.submit(requests, traffic_class, images, cached)
 
     def submit(
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         traffic_class: str | None = None,
         images: PromptImages | None = None,
+        cached: Sequence[dict[str, int]] | None = None,
     ) -> RequestGroup:
         """Admit engine requests as one group (one API request); QueueFullError if over
         bound, router.NoWorkerError (before any is sent) if a pool they need is empty.
 
         traffic_class: the retention class of the blocks its prompts leave in block stores.
         images: the images of the prompt (every request of the group has the same prompt);
-        a vision worker encodes them for each request's prefill worker."""
+        a vision worker encodes them for each request's prefill worker. cached: the prefix
+        index's answer for each request's prompt (None: routed by load alone)."""
         if len(self.inflight) + len(requests) > self.max_queue:
             raise QueueFullError(f"the server is at its admission bound of {self.max_queue}")
         group = RequestGroup([request_id for request_id, _, _ in requests], self.abort)
         try:
             for index, (request_id, prompt_ids, params) in enumerate(requests):
-                self._admit(group, index, request_id, prompt_ids, params, traffic_class, images)
+                blocks = cached[index] if cached is not None else {}
+                self._admit(
+                    group, index, (request_id, prompt_ids, params), traffic_class, images, blocks
+                )
         except BaseException:
             # NOTE: a request admitted before the failure (or the one whose send raised, for
             # example a message that does not encode) would hold its slot for ever.
@@ -105,14 +124,14 @@ class RequestExchange:
         self,
         group: RequestGroup,
         index: int,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        request: tuple[str, list[int], SamplingParams],
         traffic_class: str | None,
         images: PromptImages | None,
+        cached: dict[str, int],
     ) -> None:
+        request_id, prompt_ids, params = request
         now = time.monotonic()
-        route, workers = self._route(request_id, prompt_ids, images, now)
+        route, workers = self._route(request_id, prompt_ids, images, now, cached)
         decode = workers[route.decode]
         tracked = Tracked(group, index, decode, now)
         self.inflight.add(request_id, tracked, -(-len(prompt_ids) // self.block_size))
@@ -138,14 +157,18 @@ class RequestExchange:
         self.pool.send(decode, reserve)
 
     def _route(
-        self, request_id: str, prompt_ids: list[int], images: PromptImages | None, now: float
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        images: PromptImages | None,
+        now: float,
+        cached: dict[str, int],
     ) -> tuple[Route, dict[str, WorkerState]]:
         """The router's decision on the pools as they are now, and the workers by id."""
         decodes = self.pool.routable("decode", "both")
         prefills = self.pool.routable("prefill")
         visions = self.pool.routable("vision") if images is not None else []
         hashes = None if images is None else [image.image_hash for image in images.data]
-        cached = self._cached(prompt_ids, prefills or decodes)
         request = RouteRequest(request_id, prompt_ids, self.block_size, cached, hashes)
         pools = Pools(*(self._view(ws, now) for ws in (decodes, prefills, visions)))
         route = self.router.route(request, pools)
@@ -156,15 +179,21 @@ class RequestExchange:
         timeout = self.pool.heartbeat_timeout_s
         return [w.candidate(now, timeout) for w in workers]
 
-    def _cached(self, prompt_ids: list[int], workers: list[WorkerState]) -> dict[str, int]:
-        """The prefix index's answer for the prompt, when the router has a use for it, hashed
-        from the root the workers that compute prompts report (none while they disagree)."""
+    async def _cached(self, prompts: list[list[int]]) -> list[dict[str, int]] | None:
+        """The prefix index's answer for each prompt, when the router has a use for it,
+        hashed from the root the workers that compute prompts report (none while they
+        disagree); None without one, or when the index did not answer in time (counted)."""
         if self.prefix is None or not self.router.wants_prefix(self.pool.count("prefill")):
-            return {}
+            return None
+        workers = self.pool.routable("prefill") or self.pool.routable("decode", "both")
         roots = {w.last_stats.hash_root for w in workers if w.last_stats is not None}
         if len(roots) != 1:
-            return {}
-        return self.prefix.cached_blocks(prompt_ids, roots.pop())
+            return None
+        answers = await self.prefix.answers(prompts, roots.pop())
+        if answers is None:
+            api = self.metrics.labels(API_POOL, API_POOL)
+            self.metrics.prefix_lookup_timeouts.labels(*api).inc()
+        return answers
 
     def _encode(
         self, tracked: Tracked, vision: WorkerState, request_id: str, images: PromptImages

@@ -55,6 +55,7 @@ class VisionWorker(Worker):
             self.worker_id,
             open_transport(self.spec),
             self._ctx,
+            self.sealer,
             self._stop,
             self._async_errors,
             self._thread_failed,
