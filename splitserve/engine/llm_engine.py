@@ -26,6 +26,7 @@ from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batc
 from splitserve.engine.phases import PhaseTimer
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput
+from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -122,6 +123,7 @@ class LLMEngine:
         prefill_only: bool = False,
         traffic_class: str | None = None,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> None:
         """Queue a request; ValueError if it can never be served.
 
@@ -129,8 +131,9 @@ class LLMEngine:
         (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
         which its blocks are kept in the block store (None: the store's default).
         images: the prompt's images with their embeddings (a vision-language model only).
+        resumed: the prompt's last tokens that are output of an earlier run (engine/resume.py).
         """
-        req = self.build_request(request_id, prompt, params, images)
+        req = self.build_request(request_id, prompt, params, images, resumed)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
         self._register(req)
@@ -142,9 +145,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> Request:
         """A validated request for this engine, not queued yet; ValueError if it can never be
-        served or its id is in use."""
+        served or its id is in use. resumed: engine/resume.py."""
         if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -155,6 +159,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
             req.grammar = self._grammar(params.structured_outputs)
+        resume(req, resumed, self.model_config.vocab_size)
         return req
 
     def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
