@@ -1,9 +1,10 @@
-"""A worker whose loop meets an unexpected error fails only the requests it concerns (503) and
-goes on; one whose fault persists (rounds that keep raising, a receiver thread that stopped)
-fails every request it holds at once and tells the API server with WorkerFailed, instead of
-going silent until the API server's heartbeat timeout. Real workers in-process (their loops,
-ZMQ sockets, gloo), the test as their API server; the fault itself is injected (an engine
-step, a reservation or a receive that raises)."""
+"""A worker whose loop meets an unexpected error fails only the requests it concerns (500:
+the request itself may be the cause) and goes on; one whose fault persists (rounds that keep
+raising, a receiver thread that stopped) fails every request it holds at once (503) and tells
+the API server with WorkerFailed, instead of going silent until the API server's heartbeat
+timeout. Real workers in-process (their loops, ZMQ sockets, gloo), the test as their API
+server; the fault itself is injected (an engine step, a reservation or a receive that
+raises)."""
 
 from __future__ import annotations
 
@@ -77,10 +78,10 @@ def assert_failed_at_once(
 
 
 def assert_only_these_failed(api: ApiEnd, worker_id: str, failed: list[str], reason: str) -> None:
-    """The requests named got a 503 naming the reason; no other request failed, and the worker
+    """The requests named got a 500 naming the reason; no other request failed, and the worker
     did not give up (no WorkerFailed)."""
     error = f"worker {worker_id} failed this request: {reason}"
-    assert api.errors == {r: msg.RequestError(r, error, 503) for r in failed}
+    assert api.errors == {r: msg.RequestError(r, error, 500) for r in failed}
     assert api.failed_workers() == []
 
 
@@ -136,7 +137,7 @@ def test_a_step_that_keeps_raising_fails_the_worker_at_once(model: str) -> None:
         reason = "Injected: the device is gone"
         assert_failed_at_once(api, worker.worker_id, [], reason, seconds)
         error = f"worker {worker.worker_id} failed this request: {reason}"
-        assert api.errors == {r: msg.RequestError(r, error, 503) for r in ("first", "second")} | {
+        assert api.errors == {r: msg.RequestError(r, error, 500) for r in ("first", "second")} | {
             "third": msg.RequestError("third", f"worker {worker.worker_id} failed: {reason}", 503)
         }
     finally:

@@ -213,7 +213,7 @@ class RequestExchange:
             for delta in message.deltas:
                 self._guarded(delta.request_id, partial(self._on_delta, delta))
             for error in message.errors:
-                self._guarded(error.request_id, partial(self._on_error, error, ""))
+                self._guarded(error.request_id, partial(self._on_worker_error, error))
         elif isinstance(message, msg.Reserved):
             self._guarded(message.request_id, partial(self._on_reserved, message))
         elif isinstance(message, msg.WorkerStats):
@@ -289,7 +289,17 @@ class RequestExchange:
             error = msg.RequestError(request_id, why(stopped), 503)
             self._guarded(request_id, partial(self._migrate_or_fail, error, stopped, reason))
 
-    def _migrate_or_fail(self, error: msg.RequestError, stopped: WorkerState, reason: str) -> None:
+    def _on_worker_error(self, error: msg.RequestError) -> None:
+        """A worker failed a request: a 503 (the service failed it: a transfer, a peer that
+        stopped) migrates like a request on a stopped worker; any other status is final."""
+        if error.status == 503:
+            self._migrate_or_fail(error, None, "request_failed")
+        else:
+            self._on_error(error, "")
+
+    def _migrate_or_fail(
+        self, error: msg.RequestError, stopped: WorkerState | None, reason: str
+    ) -> None:
         tracked = self.inflight.get(error.request_id)
         if tracked is None or tracked.submission is None:
             return
@@ -302,9 +312,15 @@ class RequestExchange:
         self._on_error(error, reason)
 
     def _migrate(
-        self, request_id: str, tracked: Tracked, sub: Submission, stopped: WorkerState, why: str
+        self,
+        request_id: str,
+        tracked: Tracked,
+        sub: Submission,
+        stopped: WorkerState | None,
+        why: str,
     ) -> None:
-        """Send the request again, after the tokens its client got, to workers left."""
+        """Send the request again, after the tokens its client got, to the workers left
+        (stopped: the worker it leaves; None: a worker failed it, its decode worker is named)."""
         resumed = sub.resumed_after(tracked.token_ids)
         new_id = f"{tracked.request_id}.m{tracked.migrations + 1}"
         route, workers = self.routing.route(new_id, resumed.prompt_ids, resumed.images)
@@ -313,8 +329,9 @@ class RequestExchange:
                 self.pool.send(worker, msg.AbortRequest([request_id]))
         self.inflight.moved(request_id)
         tracked.new_attempt(workers[route.decode])
-        self.migrations.moved(tracked.request_id, new_id, stopped.pool, stopped.worker_id, why)
-        log.info("request %s continues as %s after %s", request_id, new_id, stopped.worker_id)
+        left = stopped or tracked.worker
+        self.migrations.moved(tracked.request_id, new_id, left.pool, left.worker_id, why)
+        log.info("request %s continues as %s (%s)", request_id, new_id, why)
         self._send(new_id, tracked, resumed, route, workers)
 
     def _on_delta(self, delta: msg.TokenDelta) -> None:

@@ -8,7 +8,7 @@ starts the loop thread: drain the input sockets, do one round of work, report st
 times a second. Only the loop thread touches the engine, which is not thread-safe.
 
 A loop that meets an unexpected error goes on: the error is logged and only the requests it
-concerns fail with a 503 (a message's request; for a round, ``_failed_round``: an engine
+concerns fail with a 500 (a message's request; for a round, ``_failed_round``: an engine
 worker's requests in its engine). A sender or receiver thread that stops on an error, or
 MAX_FAILED_ROUNDS rounds that raise within a minute, stop the loop instead: every request the worker
 holds fails with a 503 and ``WorkerFailed`` tells the API server, whose supervisor has Ray
@@ -145,6 +145,11 @@ class Worker(ABC):
             self._thread.join(timeout=10)
             self._ctx.destroy(linger=0)
 
+    def wait_stopped(self) -> None:
+        """Returns once ``stop`` was called: a supervisor keeps this call pending to learn
+        when the process dies (Ray fails the call then; services/launch/supervisor.py)."""
+        self._stop.wait()
+
     @abstractmethod
     def _load(self) -> None:
         """Load the engine or encoder (before the sockets exist)."""
@@ -194,14 +199,14 @@ class Worker(ABC):
 
     def _recover(self, exc: Exception, request_ids: list[str]) -> None:
         """A round or a message raised: log it, fail (and drop) only the requests it concerns
-        with a 503, and go on."""
+        with a 500 (the request itself may be the cause: it is not tried elsewhere), go on."""
         logger.exception("worker %s: failed %s; the loop goes on", self.worker_id, request_ids)
         error = f"worker {self.worker_id} failed this request: {type(exc).__name__}: {exc}"
         try:
             self._handle(msg.AbortRequest(request_ids))
         except Exception:
             logger.exception("worker %s: dropping %s failed too", self.worker_id, request_ids)
-        self._errors += [msg.RequestError(request_id, error, 503) for request_id in request_ids]
+        self._errors += [msg.RequestError(request_id, error, 500) for request_id in request_ids]
         self._send_batch([])
 
     def _beat(self) -> None:
