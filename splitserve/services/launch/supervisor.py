@@ -96,6 +96,22 @@ class Supervisor:
             return True
         return False
 
+    def _start_again(self, worker_id: str) -> dict[str, Any]:
+        """``start`` on the restarted actor. A call made while Ray is still restarting it
+        fails (ActorUnavailableError, maybe after it ran): it is made again; ``start`` of a
+        started worker returns its WorkerInfo without starting anything."""
+        import ray
+
+        deadline = time.monotonic() + self.deployment.config.ray.placement_timeout_s
+        while True:
+            actor = self.deployment.replicas[worker_id].actor
+            try:
+                info: dict[str, Any] = ray.get(actor.start.remote())
+                return info
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline or self._halt.wait(WATCH_POLL_S):
+                    raise
+
     def _restart(self, worker_id: str) -> None:
         """Tell the exchange, then start the restarted actor and hand its endpoint over."""
         import ray
@@ -103,8 +119,7 @@ class Supervisor:
         died = time.monotonic()
         self._loop.call_soon_threadsafe(self._stopped, worker_id, "its process died")
         try:
-            replica = self.deployment.replicas[worker_id]
-            info = ray.get(replica.actor.start.remote())
+            info = self._start_again(worker_id)
         except (KeyError, ray.exceptions.RayError):
             log.exception("worker %s did not come back", worker_id)
             return

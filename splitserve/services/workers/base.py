@@ -99,11 +99,21 @@ class Worker(ABC):
         """The output socket is the loop's and the heartbeat thread's: one sender at a time."""
         self._round_started = time.monotonic()
         self._heartbeat: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._info: dict[str, Any] | None = None
         self.phases = PhaseTimer()
         """The loop's time by phase (idle, receive, stats; subclasses add theirs)."""
 
     def start(self) -> dict[str, Any]:
-        """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict."""
+        """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict
+        (a second call returns the first one's: a supervisor may call again, not knowing
+        whether its call ran)."""
+        with self._start_lock:
+            if self._info is None:
+                self._info = self._start_once()
+            return self._info
+
+    def _start_once(self) -> dict[str, Any]:
         if self.spec.threads > 0:
             torch.set_num_threads(self.spec.threads)
         self._load()
