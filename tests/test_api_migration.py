@@ -11,7 +11,17 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.services import messages as msg
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.request_group import EngineRequestError
-from tests.support.exchange import PROMPT, FakeWorker, delta, failures, next_item, run, submit
+from tests.support.exchange import (
+    DEADLINE_S,
+    PROMPT,
+    FakeWorker,
+    delta,
+    failures,
+    next_item,
+    run,
+    submit,
+)
+from tests.support.wait import wait_for_async
 
 MAX4 = SamplingParams(max_tokens=4)
 
@@ -123,5 +133,61 @@ def test_a_client_that_goes_away_aborts_the_migrated_attempt() -> None:
         group.close()
         assert await b1.receive() == msg.AbortRequest(["a.m1"])
         assert exchange.num_admitted == 0
+
+    run({"both-0": "both", "both-1": "both"}, scenario, migration_limit=3)
+
+
+def test_a_workers_503_migrates_the_request_and_a_400_fails_it() -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        b0, b1 = w["both-0"], w["both-1"]
+        moved, refused = submit(exchange, "a"), submit(exchange, "b")
+        assert await b0.received_id() == "a"
+        assert await b1.received_id() == "b"
+        await b1.heartbeat(free_blocks=1000)  # the most free blocks: chosen next
+        await wait_for_async(
+            lambda: exchange.pool.find("both-1").candidate(0, 60).num_free_blocks > 900,
+            DEADLINE_S,
+            message="both-1's stats",
+        )
+        lost_kv = msg.RequestError("a", "KV from prefill-0 did not arrive: closed", 503)
+        await b0.send(msg.OutputBatch([], [lost_kv]))
+        assert await b0.receive() == msg.AbortRequest(["a"])  # the hop that failed it, too
+        assert await b1.received_id() == "a.m1"
+        await b1.send(delta("a.m1", [5], "stop"))
+        assert (await next_item(moved))[1].token_ids == [5]
+        assert migrations(exchange, "both-0", "request_failed") == 1.0
+
+        await b1.send(msg.OutputBatch([], [msg.RequestError("b", "prompt too long", 400)]))
+        with pytest.raises(EngineRequestError, match="prompt too long"):
+            await next_item(refused)
+        assert exchange.num_admitted == 0
+
+    run({"both-0": "both", "both-1": "both"}, scenario, migration_limit=3)
+
+
+def test_a_restarted_worker_rejoins_its_pool_under_its_id() -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        exchange.worker_stopped("both-0", "its process died")
+        assert exchange.pool.pools() == {"both": {"replicas": 2, "ready": 1}}
+        assert exchange.pool.worker_ids("both") == ["both-1"]
+
+        restarted = FakeWorker(w["both-0"].requests.context, "both-0", "both")
+        exchange.rejoin(restarted.endpoint)
+        await restarted.heartbeat(free_blocks=1000)  # the most free blocks: chosen first
+        await wait_for_async(
+            lambda: exchange.pool.pools() == {"both": {"replicas": 2, "ready": 2}},
+            DEADLINE_S,
+            message="the restarted worker ready",
+        )
+        assert exchange.pool.worker_ids("both") == ["both-1", "both-0"]
+        group = submit(exchange, "a")
+        assert await restarted.received_id() == "a"
+        await restarted.send(delta("a", [5], "stop"))
+        assert (await next_item(group))[1].token_ids == [5]
+        restarts = exchange.metrics.registry.get_sample_value(
+            "splitserve:worker_restarts_total",
+            {"model_name": "tiny", "pool": "both", "worker": "both-0"},
+        )
+        assert restarts == 1.0
 
     run({"both-0": "both", "both-1": "both"}, scenario, migration_limit=3)

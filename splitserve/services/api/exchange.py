@@ -327,9 +327,9 @@ class RequestExchange:
         for worker in self._hops(tracked):
             if worker is not stopped:
                 self.pool.send(worker, msg.AbortRequest([request_id]))
+        left = stopped or tracked.worker
         self.inflight.moved(request_id)
         tracked.new_attempt(workers[route.decode])
-        left = stopped or tracked.worker
         self.migrations.moved(tracked.request_id, new_id, left.pool, left.worker_id, why)
         log.info("request %s continues as %s (%s)", request_id, new_id, why)
         self._send(new_id, tracked, resumed, route, workers)
