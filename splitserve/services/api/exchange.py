@@ -20,7 +20,6 @@ of waiting forever; the reader goes on. Nothing here runs model code.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,11 +27,11 @@ from functools import partial
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.prefix_lookup import PrefixLookup
-from splitserve.router.router import NoWorkerError, Route, Router
+from splitserve.router.router import Route, Router
 from splitserve.services import messages as msg
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.inflight import InFlight
-from splitserve.services.api.migration import Migrations, Submission
+from splitserve.services.api.migration import Migrations, Submission, as_original
 from splitserve.services.api.request_group import QueueFullError, RequestGroup
 from splitserve.services.api.routing import Routing
 from splitserve.services.api.worker_pool import WorkerPool
@@ -64,7 +63,9 @@ class RequestExchange:
         self.prefix = prefix
         self.block_size = block_size
         self.inflight = InFlight(metrics)
-        self.migrations = Migrations(migration_limit, metrics)
+        self.migrations = Migrations(
+            migration_limit, metrics, pool, self.inflight, self.routing, self._send
+        )
         self.on_worker_failed: Callable[[str], None] | None = None
         """Told the id of a worker that sent WorkerFailed (its supervisor restarts it)."""
         self._reader: asyncio.Task[None] | None = None
@@ -176,22 +177,12 @@ class RequestExchange:
             tracked = self.inflight.get(request_id)
             if tracked is None:
                 continue
-            hops = self._hops(tracked)  # before remove(), which ends the prompt's hops
+            hops = tracked.hops()  # before remove(), which ends the prompt's hops
             self.inflight.remove(request_id, "abort")
             for worker in hops:
                 by_worker.setdefault(worker, []).append(request_id)
         for worker, ids in by_worker.items():
             self.pool.send(worker, msg.AbortRequest(ids))
-
-    @staticmethod
-    def _hops(tracked: Tracked) -> list[WorkerState]:
-        """The workers that hold something of the request's current attempt."""
-        hops = [tracked.worker]
-        if tracked.prefill is not None and tracked.pending_prefill is None:
-            hops.append(tracked.prefill)
-        if tracked.vision is not None:
-            hops.append(tracked.vision)
-        return hops
 
     async def _read_loop(self) -> None:
         last_sweep = time.monotonic()
@@ -300,49 +291,13 @@ class RequestExchange:
     def _migrate_or_fail(
         self, error: msg.RequestError, stopped: WorkerState | None, reason: str
     ) -> None:
-        tracked = self.inflight.get(error.request_id)
-        if tracked is None or tracked.submission is None:
-            return
-        if self.migrations.allowed(tracked.migrations):
-            try:
-                self._migrate(error.request_id, tracked, tracked.submission, stopped, reason)
-                return
-            except NoWorkerError as exc:
-                log.warning("request %s cannot migrate: %s", error.request_id, exc)
-        self._on_error(error, reason)
-
-    def _migrate(
-        self,
-        request_id: str,
-        tracked: Tracked,
-        sub: Submission,
-        stopped: WorkerState | None,
-        why: str,
-    ) -> None:
-        """Send the request again, after the tokens its client got, to the workers left
-        (stopped: the worker it leaves; None: a worker failed it, its decode worker is named)."""
-        resumed = sub.resumed_after(tracked.token_ids)
-        new_id = f"{tracked.request_id}.m{tracked.migrations + 1}"
-        route, workers = self.routing.route(new_id, resumed.prompt_ids, resumed.images)
-        for worker in self._hops(tracked):
-            if worker is not stopped:
-                self.pool.send(worker, msg.AbortRequest([request_id]))
-        left = stopped or tracked.worker
-        self.inflight.moved(request_id)
-        tracked.new_attempt(workers[route.decode])
-        self.migrations.moved(tracked.request_id, new_id, left.pool, left.worker_id, why)
-        log.info("request %s continues as %s (%s)", request_id, new_id, why)
-        self._send(new_id, tracked, resumed, route, workers)
+        if not self.migrations.migrate(error.request_id, stopped, reason):
+            self._on_error(error, reason)
 
     def _on_delta(self, delta: msg.TokenDelta) -> None:
         tracked = self.inflight.get(delta.request_id)
-        if tracked is not None and tracked.migrations and tracked.submission is not None:
-            # The client's usage counts the original prompt.
-            prompt_tokens = len(tracked.submission.prompt_ids)
-            cached = min(delta.num_cached_tokens, prompt_tokens)
-            delta = dataclasses.replace(
-                delta, num_prompt_tokens=prompt_tokens, num_cached_tokens=cached
-            )
+        if tracked is not None:
+            delta = as_original(tracked, delta)
         tracked = self.inflight.on_delta(delta)
         if tracked is not None:
             tracked.token_ids += delta.token_ids

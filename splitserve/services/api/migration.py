@@ -16,11 +16,21 @@ before. Each move is counted in ``request_migrations_total``, labelled by the wo
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.router.router import NoWorkerError, Route
+from splitserve.services import messages as msg
 from splitserve.services.api.images import PromptImages
+from splitserve.services.api.inflight import InFlight
+from splitserve.services.api.routing import Routing
+from splitserve.services.api.worker_pool import WorkerPool
+from splitserve.services.api.worker_view import Tracked, WorkerState
 from splitserve.services.metrics import Metrics
+
+log = logging.getLogger("splitserve.api")
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,28 @@ class Submission:
         return Submission(prompt, params, self.traffic_class, self.images, done)
 
 
-class Migrations:
-    """Which attempt of each migrated request is the current one, and the migration limit."""
+Send = Callable[[str, Tracked, Submission, Route, dict[str, WorkerState]], None]
+"""The exchange's way to track an attempt and send its first hop (RequestExchange._send)."""
 
-    def __init__(self, limit: int, metrics: Metrics) -> None:
+
+class Migrations:
+    """Moves requests off stopped workers; knows which attempt of each is the current one."""
+
+    def __init__(
+        self,
+        limit: int,
+        metrics: Metrics,
+        pool: WorkerPool,
+        inflight: InFlight,
+        routing: Routing,
+        send: Send,
+    ) -> None:
         self.limit = limit
         self.metrics = metrics
+        self.pool = pool
+        self.inflight = inflight
+        self.routing = routing
+        self._send = send
         self._current: dict[str, str] = {}
         """Original request id -> its current attempt's id (migrated requests only)."""
 
@@ -64,10 +90,39 @@ class Migrations:
         """The request (by its original id) is over."""
         self._current.pop(request_id, None)
 
-    def allowed(self, migrations: int) -> bool:
-        return migrations < self.limit
+    def migrate(self, request_id: str, stopped: WorkerState | None, why: str) -> bool:
+        """Send the attempt ``request_id`` again, after the tokens its client got, to the
+        workers left; False (nothing done) past the limit or with a pool left empty.
+        stopped: the worker it leaves (None: a worker failed it; its decode worker is named)."""
+        tracked = self.inflight.get(request_id)
+        if tracked is None or tracked.submission is None or tracked.migrations >= self.limit:
+            return False
+        resumed = tracked.submission.resumed_after(tracked.token_ids)
+        new_id = f"{tracked.request_id}.m{tracked.migrations + 1}"
+        try:
+            route, workers = self.routing.route(new_id, resumed.prompt_ids, resumed.images)
+        except NoWorkerError as exc:
+            log.warning("request %s cannot migrate: %s", request_id, exc)
+            return False
+        for worker in tracked.hops():
+            if worker is not stopped:
+                self.pool.send(worker, msg.AbortRequest([request_id]))
+        left = stopped or tracked.worker
+        self.inflight.moved(request_id)
+        tracked.new_attempt(workers[route.decode])
+        self._current[tracked.request_id] = new_id
+        key = self.metrics.labels(left.pool, left.worker_id)
+        self.metrics.request_migrations.labels(*key, why).inc()
+        log.info("request %s continues as %s (%s)", request_id, new_id, why)
+        self._send(new_id, tracked, resumed, route, workers)
+        return True
 
-    def moved(self, request_id: str, new_id: str, pool: str, worker: str, reason: str) -> None:
-        """Record the request's move off ``worker``: it runs as ``new_id`` from now on."""
-        self._current[request_id] = new_id
-        self.metrics.request_migrations.labels(*self.metrics.labels(pool, worker), reason).inc()
+
+def as_original(tracked: Tracked, delta: msg.TokenDelta) -> msg.TokenDelta:
+    """A migrated attempt's delta as the client's request sees it: its usage counts the
+    original prompt, not the one the attempt was sent with."""
+    if not tracked.migrations or tracked.submission is None:
+        return delta
+    prompt_tokens = len(tracked.submission.prompt_ids)
+    cached = min(delta.num_cached_tokens, prompt_tokens)
+    return dataclasses.replace(delta, num_prompt_tokens=prompt_tokens, num_cached_tokens=cached)

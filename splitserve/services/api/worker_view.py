@@ -126,6 +126,15 @@ class Tracked:
     """The tokens its client has been sent."""
     migrations: int = 0
 
+    def hops(self) -> list[WorkerState]:
+        """The workers that hold something of its current attempt."""
+        hops = [self.worker]
+        if self.prefill is not None and self.pending_prefill is None:
+            hops.append(self.prefill)
+        if self.vision is not None:
+            hops.append(self.vision)
+        return hops
+
     def new_attempt(self, decode: WorkerState) -> None:
         """It migrates: its next attempt decodes on ``decode``; its other hops are chosen anew."""
         self.worker = decode
