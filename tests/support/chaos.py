@@ -191,12 +191,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--log", default=None, help="write the server's output here")
     args = parser.parse_args()
     texts = prompts(args.requests)
     expected = reference(LLM(MODEL, max_model_len=2048), texts, args.max_tokens)
     with serve(*SERVER_SETTINGS) as server:
         chaos = Chaos(server, texts, args.max_tokens, args.concurrency)
-        chaos.run()
+        try:
+            chaos.run()
+        finally:
+            if args.log is not None:
+                with open(args.log, "w") as log:
+                    log.writelines(server.lines)
     result = summary(chaos)
     result["equal_to_offline"] = sum(o.text == e for o, e in zip(chaos.outcomes, expected))
     print(json.dumps(result))
