@@ -160,3 +160,25 @@ def test_a_request_that_fails_after_admission_releases_its_slot() -> None:
         assert (await next_item(group))[1].token_ids == [4]
 
     run({"both-0": "both"}, scenario)
+
+
+def test_the_reader_survives_a_receive_that_raises(api_log: pytest.LogCaptureFixture) -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        receive = exchange.pool.receive
+        raised: list[bool] = []
+
+        async def receive_raising_once(timeout_s: float) -> bytes | None:
+            if not raised:
+                raised.append(True)
+                raise OSError("the socket broke")
+            return await receive(timeout_s)
+
+        exchange.pool.receive = receive_raising_once  # type: ignore[method-assign]
+        group = submit(exchange, "a")
+        await w["both-0"].receive()
+        await w["both-0"].send(delta("a", [4], "stop"))
+        assert (await next_item(group))[1].token_ids == [4]
+        messages = [r.getMessage() for r in api_log.records]
+        assert messages == ["reading worker output failed; the reader goes on"]
+
+    run({"both-0": "both"}, scenario)

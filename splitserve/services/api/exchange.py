@@ -39,6 +39,7 @@ from splitserve.services.api.worker_view import Tracked, WorkerEndpoint, WorkerS
 from splitserve.services.metrics import Metrics
 
 SWEEP_INTERVAL_S = 1.0
+READ_RETRY_S = 0.01
 
 log = logging.getLogger("splitserve.api")
 
@@ -187,9 +188,13 @@ class RequestExchange:
     async def _read_loop(self) -> None:
         last_sweep = time.monotonic()
         while True:
-            data = await self.pool.receive(SWEEP_INTERVAL_S)
-            if data is not None:
-                self._handle(data)
+            try:
+                data = await self.pool.receive(SWEEP_INTERVAL_S)
+                if data is not None:
+                    self._handle(data)
+            except Exception:  # the reader outlives any one failure (its requests: _guarded)
+                log.exception("reading worker output failed; the reader goes on")
+                await asyncio.sleep(READ_RETRY_S)
             if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
                 last_sweep = time.monotonic()
                 self._guarded(None, self._fail_lost_requests)
