@@ -10,9 +10,9 @@ times a second. Only the loop thread touches the engine, which is not thread-saf
 A loop that meets an unexpected error goes on: the error is logged and only the requests it
 concerns fail with a 500 (a message's request; for a round, ``_failed_round``: an engine
 worker's requests in its engine). A sender or receiver thread that stops on an error, or
-MAX_FAILED_ROUNDS rounds that raise within a minute, stop the loop instead: every request the worker
-holds fails with a 503 and ``WorkerFailed`` tells the API server, whose supervisor has Ray
-restart the process (services/launch/supervisor.py).
+MAX_FAILED_ROUNDS rounds that raise within a minute, stop the loop instead: every request
+the worker holds fails with a 503 and ``WorkerFailed`` tells the API server, whose
+supervisor has Ray restart the process (services/launch/supervisor.py).
 """
 
 from __future__ import annotations
