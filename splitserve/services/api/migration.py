@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,6 +105,9 @@ class Migrations:
         except NoWorkerError as exc:
             log.warning("request %s cannot migrate: %s", request_id, exc)
             return False
+        chosen = [workers[w] for w in (route.decode, route.prefill, route.vision) if w]
+        if any(w is stopped or not self._healthy(w) for w in chosen):
+            return False  # the router found no healthy worker in a pool: nowhere to go
         for worker in tracked.hops():
             if worker is not stopped:
                 self.pool.send(worker, msg.AbortRequest([request_id]))
@@ -116,6 +120,9 @@ class Migrations:
         log.info("request %s continues as %s (%s)", request_id, new_id, why)
         self._send(new_id, tracked, resumed, route, workers)
         return True
+
+    def _healthy(self, worker: WorkerState) -> bool:
+        return worker.healthy(time.monotonic(), self.pool.heartbeat_timeout_s)
 
 
 def as_original(tracked: Tracked, delta: msg.TokenDelta) -> msg.TokenDelta:
