@@ -182,3 +182,20 @@ def test_the_reader_survives_a_receive_that_raises(api_log: pytest.LogCaptureFix
         assert messages == ["reading worker output failed; the reader goes on"]
 
     run({"both-0": "both"}, scenario)
+
+
+def test_a_disaggregated_pool_left_without_prefill_workers_refuses_new_requests() -> None:
+    """Not a GenerateRequest to the decode worker, which cannot compute a prompt."""
+
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        await w["prefill-0"].send(msg.WorkerFailed("prefill-0", "worker loop stopped"))
+        await wait_for_async(
+            lambda: exchange.pool.worker_ids("prefill") == [],
+            DEADLINE_S,
+            message="the failed worker out of the pool",
+        )
+        with pytest.raises(NoWorkerError, match="no prefill worker is taking requests"):
+            submit(exchange, "a")
+        assert exchange.num_admitted == 0
+
+    run({"prefill-0": "prefill", "decode-0": "decode"}, scenario)

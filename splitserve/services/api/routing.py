@@ -7,7 +7,7 @@ import time
 
 from splitserve.router.policy import Candidate
 from splitserve.router.prefix_lookup import PrefixLookup
-from splitserve.router.router import Pools, Route, Router, RouteRequest
+from splitserve.router.router import NoWorkerError, Pools, Route, Router, RouteRequest
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.api.worker_view import WorkerState
@@ -37,6 +37,10 @@ class Routing:
         (router.NoWorkerError if a pool the request needs has no routable worker)."""
         decodes = self.pool.routable("decode", "both")
         prefills = self.pool.routable("prefill")
+        if not prefills and self.pool.count("prefill"):
+            # Disaggregated, with every prefill worker failed or draining: a decode worker
+            # cannot compute a prompt (the router would send it one as if colocated).
+            raise NoWorkerError("prefill")
         visions = self.pool.routable("vision") if images is not None else []
         hashes = None if images is None else [image.image_hash for image in images.data]
         cached = self._cached(prompt_ids, prefills or decodes)
