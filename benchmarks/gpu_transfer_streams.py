@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitserve.kvstore.transfer import KVTransport, start_store
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import (
     Outgoing,
     TensorReceiver,
@@ -97,14 +98,15 @@ def _ordering(device: torch.device, busy_s: float) -> dict[str, Any]:
     receiving = KVTransport(peer_name("d", addr), address, device, "gloo", 60.0)
     stop = threading.Event()
     errors: queue.Queue[msg.RequestError] = queue.Queue()
-    sender = TensorSender("p", sending, ctx, stop, errors, print)
+    sealer = Sealer()
+    sender = TensorSender("p", sending, ctx, sealer, stop, errors, print)
     receiver: TensorReceiver[msg.KvHeader] = TensorReceiver(
         receiving.worker_id, receiving, stop, print, "KV"
     )
     busy = _sleep_cycles(device, busy_s)
     try:
         for run in range(2):  # the channel and the allocator warm up; then the run
-            side = _through_channels(device, sender, receiver, inbox, addr, busy, run)
+            side = _through_channels(device, sender, receiver, inbox, addr, busy, run, sealer)
             default = _on_default_stream(device, sending, receiving, busy)
     finally:
         stop.set()
@@ -121,6 +123,7 @@ def _through_channels(
     addr: str,
     busy: int,
     run: int,
+    sealer: Sealer,
 ) -> dict[str, Any]:
     kv = torch.randn(SHAPE, device=device)
 
@@ -130,7 +133,7 @@ def _through_channels(
     start = time.monotonic()
     sender.send("d", addr, Outgoing(f"r{run}", header, [kv], "KV"))
     torch.cuda._sleep(busy)  # the loop's next step, queued after the KV was written
-    announced = msg.decode(inbox.recv())
+    announced = sealer.unseal(inbox.recv())
     assert isinstance(announced, msg.KvHeader)
     receiver.on_header(announced, [announced.shape], [Slot(tuple(SHAPE), torch.float32)])
     while not (results := receiver.collect()):

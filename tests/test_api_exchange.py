@@ -4,6 +4,8 @@ output reader survives messages that do not decode or whose handling raises."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from collections.abc import Iterator
 
@@ -14,9 +16,12 @@ from splitserve.router.router import NoWorkerError
 from splitserve.services import messages as msg
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.request_group import EngineRequestError
+from splitserve.services.sealing import Sealer
 from tests.support.exchange import (
     DEADLINE_S,
+    MODEL,
     PROMPT,
+    SEALER,
     FakeWorker,
     delta,
     failures,
@@ -93,7 +98,9 @@ def test_the_reader_survives_an_undecodable_message(api_log: pytest.LogCaptureFi
     async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
         group = submit(exchange, "a")
         await w["both-0"].receive()
-        await w["both-0"].output.send(b"\xc1 not msgpack")
+        body = b"\xc1 not msgpack"
+        tag = hmac.new(SEALER.secret, body, hashlib.sha256).digest()
+        await w["both-0"].output.send(tag + body)
         await w["both-0"].send(delta("a", [4], "stop"))
         assert (await next_item(group))[1].token_ids == [4]
         messages = [r.getMessage() for r in api_log.records]
@@ -199,3 +206,34 @@ def test_a_disaggregated_pool_left_without_prefill_workers_refuses_new_requests(
         assert exchange.num_admitted == 0
 
     run({"prefill-0": "prefill", "decode-0": "decode"}, scenario)
+
+
+def test_a_message_not_sealed_with_the_deployments_secret_is_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: any process that reached the API server's output socket could finish, fill or
+    fail its requests with a plain msgpack message."""
+
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        group = submit(exchange, "a")
+        await w["both-0"].receive()
+        forged = delta("a", [666], "stop")
+        await w["both-0"].output.send(msg.encode(forged))  # no tag at all
+        await w["both-0"].send(forged, Sealer(b"another deployment's key"))
+        tampered = bytearray(SEALER.seal(forged))
+        tampered[-3] ^= 1
+        await w["both-0"].output.send(bytes(tampered))
+        await w["both-0"].send(delta("a", [4], "stop"))
+        assert await next_item(group) == (0, msg.TokenDelta("a", "", [4], None, "stop", None, 3, 0))
+        labels = {"model_name": MODEL, "pool": "api", "worker": "api"}
+        rejected = exchange.metrics.registry.get_sample_value(
+            "splitserve:rejected_messages_total", labels
+        )
+        assert (rejected, exchange.pool.rejected.count) == (3.0, 3)
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("splitserve")] == [
+            "API server: dropped a message that is not from this deployment "
+            "(its HMAC is missing or wrong); 1 so far"
+        ]
+
+    with caplog.at_level(logging.WARNING):
+        run({"both-0": "both"}, scenario)

@@ -89,7 +89,7 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_loop_goes_on(
     model: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     worker = EngineWorker(spec("both", model))
-    api = ApiEnd(worker.start())
+    api = ApiEnd(worker.start(), worker.sealer)
     step = worker.engine.step
     raised: list[bool] = []
 
@@ -123,7 +123,7 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_loop_goes_on(
 
 def test_a_step_that_keeps_raising_fails_the_worker_at_once(model: str) -> None:
     worker = EngineWorker(spec("both", model))
-    api = ApiEnd(worker.start())
+    api = ApiEnd(worker.start(), worker.sealer)
 
     def step_raising() -> Any:
         raise Injected("the device is gone")
@@ -147,7 +147,7 @@ def test_a_step_that_keeps_raising_fails_the_worker_at_once(model: str) -> None:
 
 def test_a_reservation_that_raises_fails_only_its_request(model: str, store: StoreAddress) -> None:
     worker = DecodeWorker(spec("decode", model, store))
-    api = ApiEnd(worker.start())
+    api = ApiEnd(worker.start(), worker.sealer)
     reserve = worker.engine.handoff.reserve
 
     def reserve_once(request_id: str, *args: Any) -> bool:
@@ -175,7 +175,7 @@ def test_a_receiver_thread_that_raises_fails_the_worker_at_once(
     model: str, store: StoreAddress
 ) -> None:
     worker = DecodeWorker(spec("decode", model, store))
-    api = ApiEnd(worker.start())
+    api = ApiEnd(worker.start(), worker.sealer)
 
     def recv(peer: str, generation: int, out: torch.Tensor) -> None:
         raise Injected("the receive broke")
@@ -188,7 +188,7 @@ def test_a_receiver_thread_that_raises_fails_the_worker_at_once(
         header = msg.KvHeader("first", "prefill-0", 0, 7, None, shape, "float32")
         push = api.ctx.socket(zmq.PUSH)
         push.connect(worker.kv_addr)
-        push.send(msg.encode(header))
+        push.send(api.sealer.seal(header))
         seconds = api.wait("WorkerFailed", api.failed_workers, 10)
         reason = "ThreadFailed: thread recv-prefill-0: Injected: the receive broke"
         assert_failed_at_once(api, worker.worker_id, ["first"], reason, seconds)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.expert_load import ExpertLoadRecorder
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
     eos_token_ids,
@@ -97,6 +98,7 @@ class LLMEngine:
             else None
         )
         self.sampler = Sampler(config.seed)
+        self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -131,8 +133,7 @@ class LLMEngine:
         (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
         which its blocks are kept in the block store (None: the store's default).
         images: the prompt's images with their embeddings (a vision-language model only).
-        resumed: the prompt's last tokens that are output of an earlier run (engine/resume.py).
-        """
+        resumed: the prompt's last tokens that are output of an earlier run (engine/resume.py)."""
         req = self.build_request(request_id, prompt, params, images, resumed)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
@@ -233,8 +234,7 @@ class LLMEngine:
         """One scheduler step; returns the outputs of the requests that got a token.
 
         With overlapped scheduling (engine/overlap.py) a decode step is launched and the
-        outputs returned are those of the step launched before it.
-        """
+        outputs returned are those of the step launched before it."""
         phases = self.phases
         phases.start()
         inflight, max_batch = self._inflight, self._overlap_batch
@@ -247,6 +247,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.num_steps += 1
+        self.expert_load.mark_step()
         if max_batch and is_decode_batch(batch, max_batch):
             return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from splitserve.kvstore.signed_store import SignedStore
+
 SENDER, RECEIVER = 0, 1
 POLL_S = 200e-6
 """The sleep between two completion checks of a device transfer (``KVTransport._poll``).
@@ -135,8 +137,12 @@ class KVTransport:
         device: torch.device,
         backend: str = "auto",
         timeout_s: float = 30.0,
+        key: bytes | None = None,
     ) -> None:
+        """key: signs and checks every rendezvous value (kvstore/signed_store.py); the
+        service always gives its deployment's, None leaves the values unsigned."""
         self.worker_id = worker_id
+        self._key = key
         self.device = device
         self.backend = pick_backend(backend, device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -188,9 +194,14 @@ class KVTransport:
                 # waits for its partner's key, lock held, while the other cannot publish its
                 # own) until the timeout.
                 store = self._connect_store()
-                prefix = dist.PrefixStore(f"kv/{sender}->{receiver}/{generation}", store)
+                name = f"kv/{sender}->{receiver}/{generation}"
+                scoped = (
+                    SignedStore(store, self._key, name)
+                    if self._key is not None
+                    else dist.PrefixStore(name, store)
+                )
                 try:
-                    channel.group = self._new_group(prefix, rank)
+                    channel.group = self._new_group(scoped, rank)
                 except RuntimeError as exc:
                     with self._lock:
                         if self._groups.get(key) is channel:

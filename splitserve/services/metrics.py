@@ -90,6 +90,14 @@ class Metrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache", ("tier",)
         )
+        self.rejected_messages = counter(
+            "rejected_messages",
+            "Internal messages dropped unread: their HMAC is missing or wrong",
+        )
+        self.prefix_lookup_timeouts = counter(
+            "prefix_lookup_timeouts",
+            "Requests routed by load alone: the prefix index did not answer in time",
+        )
         self.router_decisions = Counter(
             "splitserve:router_decisions",
             "Routing decisions, by policy and stage (prefill, decode)",

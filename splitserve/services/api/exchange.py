@@ -1,6 +1,8 @@
 """The API server's request exchange: admission, the hops of each request, the output reader.
 
-``submit`` admits one API request's engine requests as a RequestGroup (QueueFullError past
+``admit`` asks the prefix index about the prompts (off the event loop when the index is
+remote: router/prefix_lookup.py) and hands its answers to ``submit``, which admits one API
+request's engine requests as a RequestGroup (QueueFullError past
 ``max_queue``), asks the router where each goes (router/router.py, a pure decision from the
 prefix index's answer and the pool's loads) and sends them. Colocated workers get a
 GenerateRequest. Disaggregated requests take two hops: Reserve to the decode worker, and,
@@ -81,30 +83,45 @@ class RequestExchange:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self.pool.close()
+        if self.prefix is not None:
+            self.prefix.close()
 
     @property
     def num_admitted(self) -> int:
         return len(self.inflight)
+
+    async def admit(
+        self,
+        requests: Sequence[tuple[str, list[int], SamplingParams]],
+        traffic_class: str | None = None,
+        images: PromptImages | None = None,
+    ) -> RequestGroup:
+        """``submit``, with the prefix index's answers for the prompts asked first."""
+        cached = await self.routing.cached([prompt_ids for _, prompt_ids, _ in requests])
+        return self.submit(requests, traffic_class, images, cached)
 
     def submit(
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         traffic_class: str | None = None,
         images: PromptImages | None = None,
+        cached: Sequence[dict[str, int]] | None = None,
     ) -> RequestGroup:
         """Admit engine requests as one group (one API request); QueueFullError if over
         bound, router.NoWorkerError (before any is sent) if a pool they need is empty.
 
         traffic_class: the retention class of the blocks its prompts leave in block stores.
         images: the images of the prompt (every request of the group has the same prompt);
-        a vision worker encodes them for each request's prefill worker."""
+        a vision worker encodes them for each request's prefill worker. cached: the prefix
+        index's answer for each request's prompt (None: routed by load alone)."""
         if len(self.inflight) + len(requests) > self.max_queue:
             raise QueueFullError(f"the server is at its admission bound of {self.max_queue}")
         group = RequestGroup([request_id for request_id, _, _ in requests], self.abort)
         try:
             for index, (request_id, prompt_ids, params) in enumerate(requests):
                 submission = Submission(prompt_ids, params, traffic_class, images)
-                route, workers = self.routing.route(request_id, prompt_ids, images)
+                blocks = cached[index] if cached is not None else {}
+                route, workers = self.routing.route(request_id, prompt_ids, images, blocks)
                 decode = workers[route.decode]
                 tracked = Tracked(group, index, decode, time.monotonic(), request_id=request_id)
                 tracked.submission = submission

@@ -101,7 +101,9 @@ class Migrations:
         resumed = tracked.submission.resumed_after(tracked.token_ids)
         new_id = f"{tracked.request_id}.m{tracked.migrations + 1}"
         try:
-            route, workers = self.routing.route(new_id, resumed.prompt_ids, resumed.images)
+            # By load alone: a migration runs on the event loop (the reader, the sweep),
+            # where the prefix index is not asked (a remote one could stall it).
+            route, workers = self.routing.route(new_id, resumed.prompt_ids, resumed.images, {})
         except NoWorkerError as exc:
             log.warning("request %s cannot migrate: %s", request_id, exc)
             return False

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from splitserve.config import DeployConfig, PoolConfig
+from splitserve.services.sealing import Sealer
 
 if TYPE_CHECKING:
     from splitserve.kvstore.transfer import StoreAddress
@@ -53,6 +54,8 @@ class Deployment:
         self._owns_ray = False
         self._store: Any = None
         self._store_addr: StoreAddress | None = None
+        self.sealer = Sealer()
+        """This deployment's secret: every internal message is sealed with it."""
 
     @property
     def max_model_len(self) -> int:
@@ -177,6 +180,7 @@ class Deployment:
                     prefix_index=self.config.prefix_index if caches else None,
                     kv_store=self.config.kv_store if caches else None,
                     images=self.config.images,
+                    sealer=self.sealer,
                 )
             )
         )

@@ -100,7 +100,7 @@ async def _serve(deployment: Deployment) -> None:
     decode_pool = next(n for n, p in config.pools.items() if p.role in ("decode", "both"))
     block_size = config.engine_config(decode_pool).block_size
     index = make_index(config.prefix_index.url, config.prefix_index.ttl_s)
-    pool = WorkerPool(endpoints, metrics, config.server.heartbeat_timeout_s)
+    pool = WorkerPool(endpoints, metrics, deployment.sealer, config.server.heartbeat_timeout_s)
     client = RequestExchange(
         pool,
         config.server.max_queue,

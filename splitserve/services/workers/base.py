@@ -34,6 +34,7 @@ import zmq
 from splitserve.engine.phases import PhaseTimer
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Forged, Rejections
 from splitserve.services.workers.channels import peer_name
 from splitserve.services.workers.spec import WorkerSpec
 
@@ -103,6 +104,9 @@ class Worker(ABC):
         self._info: dict[str, Any] | None = None
         self.phases = PhaseTimer()
         """The loop's time by phase (idle, receive, stats; subclasses add theirs)."""
+        self.sealer = spec.sealer
+        self.rejected = Rejections(logger, f"worker {spec.worker_id}")
+        """Messages dropped unread: their HMAC is missing or wrong (services/sealing.py)."""
 
     def start(self) -> dict[str, Any]:
         """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict
@@ -262,9 +266,12 @@ class Worker(ABC):
                 except zmq.Again:
                     break
                 try:
-                    message = msg.decode(data)
+                    message = self.sealer.unseal(data)
+                except Forged as forged:
+                    self.rejected.add(forged)
+                    continue
                 except ValueError:
-                    continue  # not a message of ours (peers write here too): dropped
+                    continue  # sealed by us but not a message: dropped
                 if not self._defer(message):
                     self._handle_guarded(message)
         self.phases.lap("receive")
@@ -297,7 +304,7 @@ class Worker(ABC):
         """To the API server. The queue is unbounded, so this only fails when no API server
         is connected (not yet, or it stopped or dropped this worker): then the message has
         nobody to go to, and blocking here would hang the loop and its shutdown."""
-        data = msg.encode(message)
+        data = self.sealer.seal(message)
         with self._send_lock, contextlib.suppress(zmq.Again):
             self._outputs.send(data, zmq.NOBLOCK)
 
@@ -315,7 +322,14 @@ def open_transport(spec: WorkerSpec, addr: str) -> KVTransport:
     assert spec.store is not None, f"worker {spec.worker_id} needs the rendezvous store"
     transfer, name = spec.transfer, peer_name(spec.worker_id, addr)
     device = torch.device(spec.engine.device)
-    return KVTransport(name, spec.store, device, transfer.backend, transfer.timeout_s)
+    return KVTransport(
+        name,
+        spec.store,
+        device,
+        transfer.backend,
+        transfer.timeout_s,
+        key=spec.sealer.store_key(),
+    )
 
 
 def worker_class(role: str) -> type[Worker]:

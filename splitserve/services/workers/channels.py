@@ -44,6 +44,7 @@ from splitserve.kvstore.transfer import (
     use_on_current_stream,
 )
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.slots import Refused, Slot, accept
 
 QUEUE_POLL_S = 0.1
@@ -181,7 +182,8 @@ class _Queued:
 class TensorSender:
     """The sending end: ``send`` queues (loop thread); each peer's thread sends in order.
 
-    errors: where failed requests go. timed: told each successful send's seconds.
+    sealer: the deployment's, which every header is sealed with. errors: where failed
+    requests go. timed: told each successful send's seconds.
     delay_s: a pause between a header and its tensors (transfer.fault_send_delay_s, tests).
     """
 
@@ -190,6 +192,7 @@ class TensorSender:
         worker_id: str,
         transport: KVTransport,
         ctx: zmq.Context,
+        sealer: Sealer,
         stop: threading.Event,
         errors: queue.Queue[msg.RequestError],
         failed: Callable[[str], None],
@@ -199,6 +202,7 @@ class TensorSender:
         self.worker_id = worker_id
         self.transport = transport
         self._ctx = ctx
+        self._sealer = sealer
         self._stop = stop
         self._errors = errors
         self._failed = failed
@@ -229,7 +233,7 @@ class TensorSender:
                 except queue.Empty:
                     continue
                 outgoing = queued.outgoing
-                socket.send(msg.encode(outgoing.header(generation)))
+                socket.send(self._sealer.seal(outgoing.header(generation)))
                 if not outgoing.tensors:
                     continue
                 stream.wait(queued.ready)

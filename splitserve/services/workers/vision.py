@@ -56,6 +56,7 @@ class VisionWorker(Worker):
             transport.worker_id,
             transport,
             self._ctx,
+            self.sealer,
             self._stop,
             self._async_errors,
             self._thread_failed,
