@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint fuzz bench clean
+.PHONY: install serve test lint fuzz bench chaos clean
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ fuzz: install
 
 bench: install
 	bash benchmarks/cpu.sh
+
+# 200 streamed requests on 2 prefill + 2 decode workers while decode-0, then prefill-0, are
+# killed with SIGKILL (the short version is tests/test_disagg_chaos.py); one JSON line.
+chaos: install
+	$(PY) -m tests.support.chaos --requests 200
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -24,6 +24,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
+from splitserve.services.workers.channels import peer_name
 from splitserve.services.workers.prefill import PrefillWorker
 from splitserve.services.workers.spec import WorkerSpec
 from tests.support.server_process import free_port
@@ -47,8 +48,9 @@ class Decode:
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        name = peer_name("decode-0", self.addr)  # as a DecodeWorker names itself
         self.transport = KVTransport(
-            "decode-0", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=SEALER.store_key()
+            name, store, torch.device("cpu"), "gloo", TIMEOUT_S, key=SEALER.store_key()
         )
 
     def receive(self) -> tuple[msg.KvHeader, torch.Tensor]:

@@ -27,6 +27,7 @@ from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batc
 from splitserve.engine.phases import PhaseTimer
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput
+from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -124,6 +125,7 @@ class LLMEngine:
         prefill_only: bool = False,
         traffic_class: str | None = None,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> None:
         """Queue a request; ValueError if it can never be served.
 
@@ -131,8 +133,8 @@ class LLMEngine:
         (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
         which its blocks are kept in the block store (None: the store's default).
         images: the prompt's images with their embeddings (a vision-language model only).
-        """
-        req = self.build_request(request_id, prompt, params, images)
+        resumed: the prompt's last tokens that are output of an earlier run (engine/resume.py)."""
+        req = self.build_request(request_id, prompt, params, images, resumed)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
         self._register(req)
@@ -144,9 +146,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> Request:
         """A validated request for this engine, not queued yet; ValueError if it can never be
-        served or its id is in use."""
+        served or its id is in use. resumed: engine/resume.py."""
         if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -157,6 +160,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
             req.grammar = self._grammar(params.structured_outputs)
+        resume(req, resumed, self.model_config.vocab_size)
         return req
 
     def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
@@ -230,8 +234,7 @@ class LLMEngine:
         """One scheduler step; returns the outputs of the requests that got a token.
 
         With overlapped scheduling (engine/overlap.py) a decode step is launched and the
-        outputs returned are those of the step launched before it.
-        """
+        outputs returned are those of the step launched before it."""
         phases = self.phases
         phases.start()
         inflight, max_batch = self._inflight, self._overlap_batch

@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,7 +158,8 @@ class KVTransport:
         """Send a contiguous tensor to peer (blocks until the peer has received it), after the
         work on the current stream (CUDA)."""
         group = self._group(self.worker_id, peer, generation, SENDER)
-        self._wait(group.send([self._staged(tensor)], RECEIVER, 0), peer)
+        staged = self._staged(tensor)
+        self._wait(lambda: group.send([staged], RECEIVER, 0), peer)
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def recv(self, peer: str, generation: int, out: torch.Tensor) -> None:
@@ -168,7 +169,7 @@ class KVTransport:
         group = self._group(peer, self.worker_id, generation, RECEIVER)
         staged = self.backend == "gloo" and out.device.type != "cpu"
         buffer = torch.empty(out.shape, dtype=out.dtype) if staged else out
-        self._wait(group.recv([buffer], SENDER, 0), peer)
+        self._wait(lambda: group.recv([buffer], SENDER, 0), peer)
         if buffer is not out:
             out.copy_(buffer)
         self.bytes_received += out.numel() * out.element_size()
@@ -234,8 +235,11 @@ class KVTransport:
             return tensor.cpu()
         return tensor
 
-    def _wait(self, work: Any, peer: str) -> None:
+    def _wait(self, start: Callable[[], Any], peer: str) -> None:
+        """Start a transfer and wait for it; TransferError if either fails (gloo raises at
+        the start when the peer's connection is already closed: a peer that died)."""
         try:
+            work = start()
             if self.backend != "gloo":
                 self._poll(work, peer)
             work.wait(self.timeout)

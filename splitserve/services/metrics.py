@@ -75,6 +75,12 @@ class Metrics:
         self.request_failure = counter(
             "request_failure", "Engine requests that failed or were refused", ("reason",)
         )
+        self.request_migrations = counter(
+            "request_migrations",
+            "Engine requests moved off a worker that stopped (the worker it left)",
+            ("reason",),
+        )
+        self.worker_restarts = counter("worker_restarts", "Workers restarted after they stopped")
         self.kv_transfer_bytes = counter(
             "kv_transfer_bytes", "KV bytes a worker sent (prefill) or received (decode)"
         )

@@ -129,6 +129,24 @@ class WorkerPool:
         self._connect(endpoint)
         self.count_workers()
 
+    def replace(self, endpoint: WorkerEndpoint) -> None:
+        """A worker that stopped runs again under its id (restarted, with new addresses): the
+        old one leaves and the new one is routed to from now on (once it reports in)."""
+        try:
+            old = self.find(endpoint.worker_id)
+        except KeyError:
+            return  # removed meanwhile (scaled away): the new one is not part of the pool
+        self._disconnect(old)
+        self._connect(endpoint)
+        self.metrics.worker_restarts.labels(*self.metrics.labels(old.pool, old.worker_id)).inc()
+        self.count_workers()
+
+    def _disconnect(self, worker: WorkerState) -> None:
+        worker.removed = True
+        worker.draining = False
+        worker.socket.close(linger=0)
+        self._pull.disconnect(worker.endpoint.output_addr)
+
     async def drain(self, worker_id: str) -> None:
         """Stop routing new requests to a worker and wait until no request in flight waits
         on it (a prefill worker's once their first token arrived, a decode worker's once they
@@ -138,10 +156,7 @@ class WorkerPool:
         self.count_workers()
         while worker.busy:
             await asyncio.sleep(DRAIN_POLL_S)
-        worker.removed = True
-        worker.draining = False
-        worker.socket.close(linger=0)
-        self._pull.disconnect(worker.endpoint.output_addr)
+        self._disconnect(worker)
         self.metrics.forget_worker(worker.pool, worker_id)
         self.count_workers()
 

@@ -161,6 +161,8 @@ class Deployment:
             ray.remote(worker_class(pool.role))
             .options(
                 name=f"splitserve-{worker_id}",
+                max_restarts=self.config.ray.max_restarts,
+                max_concurrency=2,  # start / stop beside wait_stopped (launch/supervisor.py)
                 num_cpus=pool.num_cpus,
                 num_gpus=pool.num_gpus,
                 resources=dict(pool.resources),
@@ -184,6 +186,11 @@ class Deployment:
         )
         self.replicas[worker_id] = Replica(worker_id, name, actor, group)
         return self.replicas[worker_id]
+
+    def restarted(self, info: dict[str, Any]) -> None:
+        """A replica's actor was restarted and started again: its new WorkerInfo."""
+        others = [w for w in self.workers if w["worker_id"] != info["worker_id"]]
+        self.workers = [*others, info]
 
     def remove_replica(self, worker_id: str) -> None:
         """Stop one worker, kill its actor and give its placement group back."""

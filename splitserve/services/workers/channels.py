@@ -211,16 +211,18 @@ class TensorSender:
         self._outboxes: dict[str, queue.Queue[_Queued]] = {}
 
     def send(self, peer: str, addr: str, outgoing: Outgoing) -> None:
-        """Queue a send to ``peer``, whose header socket is at ``addr``, of tensors that the
-        work queued so far on this thread's stream wrote (the send waits for it, not the loop)."""
-        if peer not in self._outboxes:
-            self._outboxes[peer] = queue.Queue()
+        """Queue a send to worker ``peer``, whose header socket is at ``addr``, of tensors that
+        the work queued so far on this thread's stream wrote (the send waits for it, not the
+        loop). A restarted peer has a new ``addr``, so it gets a channel of its own."""
+        name = peer_name(peer, addr)
+        if name not in self._outboxes:
+            self._outboxes[name] = queue.Queue()
             body = _guarded(self._send_loop, self._stop, self._failed, peer, addr)
             threading.Thread(target=body, name=f"send-{peer}", daemon=True).start()
-        self._outboxes[peer].put(_Queued(outgoing, stream_mark(self.transport.device)))
+        self._outboxes[name].put(_Queued(outgoing, stream_mark(self.transport.device)))
 
     def _send_loop(self, peer: str, addr: str) -> None:
-        outbox = self._outboxes[peer]
+        outbox = self._outboxes[peer_name(peer, addr)]
         stream = TransferStream(self.transport.device)
         socket = push_socket(self._ctx, addr)
         generation = 0
@@ -236,21 +238,22 @@ class TensorSender:
                     continue
                 stream.wait(queued.ready)
                 with stream.current():
-                    sent = self._send_tensors(peer, generation, outgoing)
+                    sent = self._send_tensors(peer, addr, generation, outgoing)
                 if not sent:
                     generation += 1
         finally:
             socket.close(linger=0)
 
-    def _send_tensors(self, peer: str, generation: int, outgoing: Outgoing) -> bool:
+    def _send_tensors(self, peer: str, addr: str, generation: int, outgoing: Outgoing) -> bool:
         if self._delay_s:
             time.sleep(self._delay_s)
         start = time.monotonic()
+        name = peer_name(peer, addr)
         try:
             for tensor in outgoing.tensors:
-                self.transport.send(peer, generation, tensor)
+                self.transport.send(name, generation, tensor)
         except TransferError as exc:
-            self.transport.drop(self.worker_id, peer, generation)
+            self.transport.drop(self.worker_id, name, generation)
             if outgoing.what is not None:
                 error = f"sending {outgoing.what} to {peer} failed: {exc}"
                 self._errors.put(msg.RequestError(outgoing.request_id, error, 503))
@@ -258,6 +261,14 @@ class TensorSender:
         if self._timed is not None:
             self._timed(time.monotonic() - start)
         return True
+
+
+def peer_name(worker_id: str, addr: str) -> str:
+    """A worker's name on the KV transport: its id and the address where it takes tensor
+    headers (for a worker that takes none, its request address). The address is new each time
+    the worker's process starts, so the channels of a restarted worker never meet its
+    predecessor's (their rendezvous keys, a receiver thread still waiting on the dead one)."""
+    return f"{worker_id}@{addr}"
 
 
 def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:

@@ -168,7 +168,7 @@ class PeerFetches:
         self.timeout_s = transport.timeout.total_seconds()
         self.wait_s = self.timeout_s * PEER_WAIT_FRACTION
         self.receiver: TensorReceiver[msg.PeerBlocks] = TensorReceiver(
-            worker_id, transport, stop, failed, "prefix blocks"
+            transport.worker_id, transport, stop, failed, "prefix blocks"
         )
         self._ctx = ctx
         self._sealer = sealer
