@@ -64,6 +64,9 @@ class DraftModelDrafter(Drafter):
             batch = self._step(batch, wanted)
         return [self._drafts(req) for req in reqs]
 
+    def passes(self, limits: list[int]) -> int:
+        return max(limits, default=0)
+
     def release(self, req: Request) -> None:
         shadow = self.shadows.pop(req.request_id, None)
         if shadow is not None:

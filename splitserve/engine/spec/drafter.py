@@ -27,5 +27,9 @@ class Drafter(ABC):
         for reqs[i], fewer or none where the drafter has nothing to offer."""
 
     @abstractmethod
+    def passes(self, limits: list[int]) -> int:
+        """Drafting rounds that proposing with these limits costs (engine/spec/dynamic.py)."""
+
+    @abstractmethod
     def release(self, req: Request) -> None:
         """req left the engine (finished or aborted): drop what is kept for it."""

@@ -26,6 +26,9 @@ class NgramDrafter(Drafter):
             for req, k in zip(reqs, limits)
         ]
 
+    def passes(self, limits: list[int]) -> int:
+        return int(any(limits))
+
     def release(self, req: Request) -> None:
         """Nothing is kept between steps: each lookup reads the request's tokens."""
 

@@ -79,7 +79,7 @@ class Speculator:
         k = self.config.num_speculative_tokens
         if self.config.dynamic:
             rates = [self._acceptance(r).rate for r in reqs]
-            planned = plan_drafts(rates, k, self.cost)
+            planned = plan_drafts(rates, k, self.cost, self.drafter.passes)
         else:
             planned = [k] * len(reqs)
         return [min(n, self._room(r)) for n, r in zip(planned, reqs)]
@@ -113,8 +113,9 @@ class Speculator:
                 req.num_computed_tokens = req.num_tokens - 1
                 engine.block_manager.commit(req)
                 engine.block_manager.trim(req, req.num_computed_tokens)
-        tokens = sum(batch.num_new_tokens)
-        self.cost.record(tokens, any(drafts), time.perf_counter() - self._started)
+        passes = self.drafter.passes([len(d) for d in drafts])
+        seconds = time.perf_counter() - self._started
+        self.cost.record(sum(batch.num_new_tokens), passes, seconds)
         return outputs
 
     def release(self, req: Request) -> None:
