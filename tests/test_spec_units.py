@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.config import ConfigError, load_config
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.dynamic import Acceptance, StepCost, plan_drafts
 from splitserve.engine.spec.ngram import lookup
+from splitserve.services.messages import WorkerStats
+from splitserve.services.metrics import Metrics
 
 
 def test_ngram_lookup_follows_the_latest_match_of_the_longest_suffix() -> None:
@@ -87,3 +90,36 @@ def test_speculative_config_reads_vllm_keys_and_names_an_unknown_one() -> None:
         SpeculativeConfig(method="draft_model")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
+
+
+def test_a_pool_speculative_section_reaches_its_engine_config() -> None:
+    config = load_config(
+        None,
+        ["pools.decode.speculative.method=ngram", "pools.decode.speculative.prompt_lookup_max=4"],
+    )
+    assert config.pools["decode"].engine.speculative == SpeculativeConfig(prompt_lookup_max=4)
+    assert config.pools["prefill"].engine.speculative is None
+    with pytest.raises(ConfigError, match="not 'prefill' ones"):
+        load_config(None, ["pools.prefill.speculative.method=ngram"])
+    with pytest.raises(ConfigError, match=r"engine\.speculative cannot be set"):
+        load_config(None, ["pools.decode.engine.speculative.method=ngram"])
+
+
+def test_spec_decode_counters_grow_by_the_change_between_stats() -> None:
+    metrics = Metrics("m")
+    before = WorkerStats("w", 0, 0, 0, 0, 0.0, 0, 0, spec_num_drafts=2, spec_accepted_per_pos=[1])
+    after = WorkerStats(
+        "w", 0, 0, 0, 0, 0.0, 0, 0, spec_num_drafts=5, spec_num_draft_tokens=12,
+        spec_num_accepted_tokens=7, spec_accepted_per_pos=[4, 3],
+    )  # fmt: skip
+    metrics.observe_stats("decode", before, None)
+    metrics.observe_stats("decode", after, before)
+    text = metrics.render().decode()
+    labels = 'model_name="m",pool="decode",worker="w"'
+    assert f"splitserve:spec_decode_num_drafts_total{{{labels}}} 5.0" in text
+    assert f"splitserve:spec_decode_num_draft_tokens_total{{{labels}}} 12.0" in text
+    assert f"splitserve:spec_decode_num_accepted_tokens_total{{{labels}}} 7.0" in text
+    per_pos = "splitserve:spec_decode_num_accepted_tokens_per_pos_total"
+    at = 'model_name="m",pool="decode",position="{}",worker="w"'
+    assert f"{per_pos}{{{at.format(0)}}} 4.0" in text
+    assert f"{per_pos}{{{at.format(1)}}} 3.0" in text
