@@ -75,8 +75,12 @@ class ModelRunner:
         )
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.device(self.device):
+            # Random weights (shape:) drawn from the config's seed: a draft model of the same
+            # shape is the target itself (engine/spec/draft_model.py).
+            with torch.random.fork_rng(devices), torch.device(self.device):
+                torch.manual_seed(self.config.seed)
                 model = LlamaForCausalLM(cfg, backend)
         finally:
             torch.set_default_dtype(previous)
