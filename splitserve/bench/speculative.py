@@ -61,6 +61,7 @@ def run_speculative(args: argparse.Namespace) -> int:
         model=model,
         device=args.device,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         max_model_len=2048,
         max_num_seqs=max(batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization,
