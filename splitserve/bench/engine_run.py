@@ -8,7 +8,12 @@ import time
 from typing import Any
 
 from splitserve.bench.decode_window import StepTokens, steady_window
-from splitserve.bench.roofline import Ceilings, decode_step_bytes, prefill_flops
+from splitserve.bench.roofline import (
+    Ceilings,
+    decode_step_bytes,
+    held_weight_bytes,
+    prefill_flops,
+)
 from splitserve.engine.sampling_params import SamplingParams
 
 
@@ -73,7 +78,8 @@ def engine_throughput(
         return stats
     window = steady_window(steps, batch)
     context = input_len + window.mean_generated
-    step_bytes = decode_step_bytes(cfg, element, batch, round(context))
+    weights = held_weight_bytes(engine.runner.model)
+    step_bytes = decode_step_bytes(cfg, element, batch, round(context), weights)
     bytes_per_s = step_bytes * window.steps / window.seconds
     stats |= {
         "decode_steps": window.steps,

@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU projections through F.linear (MKL) instead of oneDNN (the A/B baseline)",
     )
     parser.add_argument(
+        "--no-native",
+        action="store_true",
+        help="CPU norm, SiLU and decode attention through torch instead of the native kernels "
+        "(with --dtype float32: the engine before the native kernels)",
+    )
+    parser.add_argument(
         "--no-pdl",
         action="store_true",
         help="launch the decode kernels without programmatic dependent launch (A/B baseline)",
@@ -102,6 +108,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from splitserve.engine.layers.cpu_gemm import set_onednn_enabled
 
         set_onednn_enabled(False)
+    if args.no_native:
+        from splitserve.kernels.native.decode import set_native_enabled
+
+        set_native_enabled(False)
     if args.no_pdl:
         from splitserve.kernels.pdl import set_pdl_enabled
 

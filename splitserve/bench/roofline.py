@@ -91,8 +91,25 @@ def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
 
 
-def decode_step_bytes(cfg: ModelConfig, element_size: int, batch: int, context: int) -> int:
-    return weight_bytes(cfg, element_size) + batch * context * kv_bytes_per_token(cfg, element_size)
+def decode_step_bytes(
+    cfg: ModelConfig, element_size: int, batch: int, context: int, weights: int | None = None
+) -> int:
+    """Weights (``weights`` bytes as held, e.g. GGUF blocks; else weight_bytes at the KV
+    element size) plus the batch's KV."""
+    held = weight_bytes(cfg, element_size) if weights is None else weights
+    return held + batch * context * kv_bytes_per_token(cfg, element_size)
+
+
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights as the model holds them: every parameter but
+    an input embedding that no LM head shares (its lookups read a few rows)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed_tokens", None)
+    skip = None
+    if embed is not None and head is not None and embed.weight is not head.weight:
+        skip = embed.weight
+    params = (p for p in model.parameters() if p is not skip)
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:

@@ -149,10 +149,15 @@ def load_model_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf(config)
 
 
-def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint under its Hugging Face name, in float32 or its dtype."""
+def iter_weights(
+    path: str, config: ModelConfig, keep_blocks: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint under its Hugging Face name, in float32 or its dtype.
+
+    keep_blocks: GGUF tensors (by Hugging Face name) yielded as their quantized blocks,
+    uint8 ``[rows, bytes per row]``, instead of dequantized (engine/layers/block_linear.py)."""
     if is_gguf(path):
-        yield from _iter_gguf(path, config)
+        yield from _iter_gguf(path, config, keep_blocks)
     else:
         yield from _iter_safetensors(path)
 
@@ -192,15 +197,25 @@ def _gguf_metadata(file: GGUFFile) -> dict[str, Any]:
     return {**file.metadata, "tokenizer.ggml.tokens": range(tokens)}
 
 
-def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensor_types(path: str) -> dict[str, int]:
+    """A GGUF file's tensors by Hugging Face name -> GGML type number (0 F32, 3 Q4_1, ...)."""
+    return {_hf_name(t.name): int(t.tensor_type) for t in read_gguf(path).tensors}
+
+
+def _iter_gguf(
+    path: str, config: ModelConfig, keep_blocks: frozenset[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     tensors = read_gguf(path).tensors
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
         name = _hf_name(tensor.name)
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape))))
-        weight = torch.from_numpy(array.astype(np.float32))
+        if name in keep_blocks:
+            weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape))))
+            weight = torch.from_numpy(array.astype(np.float32))
         if config.architecture in ("llama", "mistral"):
             if name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_heads)

@@ -11,7 +11,10 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
+from splitserve.engine.layers.block_linear import to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
+from splitserve.engine.layers.native_decode import NativeDecode
+from splitserve.engine.layers.projection_choice import choose_cpu_paths
 from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
@@ -21,6 +24,7 @@ from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
+from splitserve.engine.weight_format import block_weight_plan
 
 if TYPE_CHECKING:
     from splitserve.engine.structured.matcher import RequestGrammar
@@ -85,9 +89,14 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         if weights_path is not None:
-            model.load_weights(text_weights(iter_weights(weights_path, cfg)))
+            plan, keep = block_weight_plan(
+                self.config, weights_path, model, cfg.tie_word_embeddings
+            )
+            to_block_layers(model, plan)
+            model.load_weights(text_weights(iter_weights(weights_path, cfg, keep)))
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
+            choose_cpu_paths(model)
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -111,6 +120,8 @@ class ModelRunner:
         for index, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, index]
             attn.v_cache = self.kv_cache[1, index]
+        if self.device.type == "cpu":
+            self.model.native_decode = NativeDecode.build(self.model)
         return num_blocks
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:

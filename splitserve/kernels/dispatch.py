@@ -1,10 +1,10 @@
 """When the model's layers take the Triton kernels instead of their torch code.
 
-The kernels run on CUDA tensors when Triton is installed; CPU tensors keep the torch code, so
-CPU outputs stay bit-for-bit those of the references. ``set_kernels_enabled(False)`` turns the
-kernels off (for A/B benchmarks and for debugging); ``set_kernels_on_cpu(True)`` sends CPU
-tensors through them too, which under ``TRITON_INTERPRET=1`` is how the tests run the whole
-model on the kernels without a GPU.
+The kernels run on CUDA tensors when Triton is installed; CPU tensors do not take them (they
+take the native CPU kernels of ``kernels/native/`` where those are built, else torch).
+``set_kernels_enabled(False)`` turns the kernels off (for A/B benchmarks and for debugging);
+``set_kernels_on_cpu(True)`` sends CPU tensors through them too, which under
+``TRITON_INTERPRET=1`` is how the tests run the whole model on the kernels without a GPU.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.kernels.dispatch import use_kernels
+from splitserve.kernels.native import decode as native
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -13,5 +14,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels.activation import silu_and_mul as kernel
 
         return kernel(x)
+    if native.use_native(x):
+        return native.silu_and_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.kernels.native import decode as native
 
 
 @dataclass
@@ -79,7 +80,42 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """Pure-torch reference backend; runs on CPU and CUDA."""
+    """Pure-torch reference backend; runs on CPU and CUDA. On the CPU in float32 its decode
+    rows take the native kernel (rotary, K/V write and attention in one call per layer,
+    ``kernels/native/decode.c``) where it is built."""
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = meta.num_decode_tokens
+        if not (n and native.use_native(qkv) and k_cache.is_contiguous()):
+            return super().forward_qkv(qkv, positions, rotary, k_cache, v_cache, meta)
+        out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
+        native.decode_attention(
+            qkv[:n], positions[:n], rotary.cos, rotary.sin, k_cache, v_cache,
+            meta.slot_mapping[:n], meta.decode_block_tables, meta.decode_context_lens,
+            self.num_heads, self.scale, out[:n],
+        )  # fmt: skip
+        if qkv.shape[0] > n:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv[n:].split([q_size, kv_size, kv_size], dim=-1)
+            q = q.reshape(-1, self.num_heads, self.head_dim)
+            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            q, k = rotary(positions[n:], q, k)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping[n:])
+            for seg in meta.prefills:
+                rows = slice(seg.start - n, seg.start - n + seg.length)
+                out[seg.start : seg.start + seg.length] = self._prefill(
+                    q[rows], k[rows], v[rows], k_cache, v_cache, seg
+                )
+        return out
 
     def forward(
         self,

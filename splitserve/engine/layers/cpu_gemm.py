@@ -14,6 +14,7 @@ to ``F.linear`` (for A/B benchmarks); builds without oneDNN's linear ops never u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 _enabled = True
 _PACKED = "_splitserve_onednn"
+_ROWS = "_splitserve_onednn_rows"
 
 
 def set_onednn_enabled(enabled: bool) -> None:
@@ -41,15 +43,28 @@ def onednn_available() -> bool:
     return bool(torch.equal(out, torch.full((2, 8), 8.0)))
 
 
-def onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor | None:
-    """layer(x) through oneDNN for float32 CPU tensors; None where it does not apply."""
+def onednn_linear(x: torch.Tensor, layer: nn.Linear, force: bool = False) -> torch.Tensor | None:
+    """layer(x) through oneDNN for float32 CPU tensors; None where it does not apply or where
+    the layer's measured choice for this many rows is F.linear (unless force)."""
     if not (_enabled and x.device.type == "cpu" and x.dtype == torch.float32):
+        return None
+    chosen = getattr(layer, _ROWS, None)
+    if chosen is not None and not force and not chosen(x.numel() // x.shape[-1]):
         return None
     packed = _packed(layer)
     if packed is None:
         return None
     bias = None if layer.bias is None else layer.bias.detach()
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def set_onednn_choice(layer: nn.Linear, takes_onednn: Callable[[int], bool], ever: bool) -> None:
+    """The layer takes oneDNN for a step of n rows where takes_onednn(n) (measured at load by
+    ``projection_choice.py``), else ``F.linear``; one that never does (not ever) drops its
+    packed copy."""
+    object.__setattr__(layer, _ROWS, takes_onednn)
+    if not ever and hasattr(layer, _PACKED):
+        object.__delattr__(layer, _PACKED)
 
 
 def prepack(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.block_linear import BlockLinear
 from splitserve.engine.layers.cpu_gemm import onednn_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
@@ -39,32 +40,38 @@ def _weight_bytes(layer: nn.Linear) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
-def _one_row(x: torch.Tensor, layer: nn.Linear) -> bool:
+def _one_row(x: torch.Tensor, layer: nn.Module) -> bool:
     return (
         x.shape[0] == 1
+        and isinstance(layer, nn.Linear)
         and use_kernels(x)
         and decode_path() != "separate"
         and _weight_bytes(layer) <= GEMV_MAX_BYTES
     )
 
 
-def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x): oneDNN with a packed weight for float32 on the CPU (``cpu_gemm.py``), else
-    the layer itself (cuBLAS on CUDA)."""
+def dense(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """layer(x): the layer itself for quantized blocks (``block_linear.py``), oneDNN with a
+    packed weight for float32 on the CPU where measured faster (``cpu_gemm.py``), else the
+    layer itself (cuBLAS on CUDA, MKL on the CPU)."""
+    if isinstance(layer, BlockLinear):
+        return layer(x)
+    assert isinstance(layer, nn.Linear)
     out = onednn_linear(x, layer)
     return layer(x) if out is None else out
 
 
 def _gemv(
-    x: torch.Tensor, layer: nn.Linear, **fused: Any
+    x: torch.Tensor, layer: nn.Module, **fused: Any
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The GEMV kernel on layer's weight (imported here: Triton is optional)."""
     from splitserve.kernels.gemv import gemv
 
+    assert isinstance(layer, nn.Linear)
     return gemv(x.contiguous(), layer.weight, layer.bias, **fused)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return _gemv(x, layer)[0] if _one_row(x, layer) else dense(x, layer)
 
 
@@ -72,7 +79,7 @@ def norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     norm: RMSNorm,
-    layer: nn.Linear,
+    layer: nn.Module,
     gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (layer(RMSNorm(x + residual)), x + residual); residual None means x alone.

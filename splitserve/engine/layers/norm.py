@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 like the reference implementation.
 
 On CUDA the Triton kernels of ``splitserve.kernels.rmsnorm`` run it, fused with the residual add
-before it; CPU keeps this torch code.
+before it; on the CPU the native kernel (``kernels/native/decode.c``) does the same in float32,
+and this torch code is its reference.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from splitserve.kernels.dispatch import use_kernels
+from splitserve.kernels.native import decode as native
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +25,8 @@ class RMSNorm(nn.Module):
             from splitserve.kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
+        if native.use_native(x) and self.weight.dtype == torch.float32:
+            return native.add_rms_norm(x, None, self.weight, self.eps)[0]
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,5 +40,7 @@ class RMSNorm(nn.Module):
             from splitserve.kernels.rmsnorm import fused_add_rms_norm
 
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if native.use_native(x) and self.weight.dtype == torch.float32:
+            return native.add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
         return self.forward(summed), summed

@@ -1,6 +1,7 @@
 """Rotary position embedding (rotate-half layout) with Llama 2/3 style scaling.
 
-On CUDA the Triton kernel of ``splitserve.kernels.rotary`` applies it; CPU keeps this torch code.
+On CUDA the Triton kernel of ``splitserve.kernels.rotary`` applies it; on the CPU this torch code
+(decode rows take the native kernel with the K/V write and attention, ``layers/attention.py``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from torch import nn
 
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
+from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
@@ -103,6 +104,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.native_decode: NativeDecode | None = None
+        """Set by the model runner where the whole layer stack runs natively for steps of
+        decode tokens (CPU, GGUF blocks; ``layers/native_decode.py``)."""
 
     def forward(
         self,
@@ -119,8 +123,11 @@ class LlamaForCausalLM(nn.Module):
         if image_embeds is not None:
             rows, values = image_embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, meta)
+        if self.native_decode is not None and self.native_decode.takes(x, meta):
+            x, residual = self.native_decode.run(x, positions, meta)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -128,6 +135,11 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]
+
+    def weight_target(self, hf_name: str) -> tuple[str, int]:
+        """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice
+        there): q/k/v land in qkv_proj, gate/up in gate_up_proj."""
+        return _fused_target(hf_name, self.config)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -141,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, offset = _fused_target(hf_name, self.config)
+            name, offset = self.weight_target(hf_name)
             param = params[name]
             rows = tensor.shape[0]
             param.data[offset : offset + rows].copy_(tensor.to(param.dtype))

@@ -1,0 +1,133 @@
+"""Every decoder layer of a step of decode tokens in one native call (CPU, GGUF blocks).
+
+A batch-1 decode step of SmolLM2 is 30 layers of 8 native calls each; made one by one through
+the modules, the Python around them (module calls, shape checks, output tensors, ctypes
+arguments) cost as much as the kernels. ``NativeDecode`` collects each layer's weight and
+cache pointers once and hands the whole stack to ``splitserve_decode_layers``
+(``kernels/native/decode.c``), which makes the very same native calls in the same order, so
+the hidden states equal the module path's exactly (tests/test_native_decode.py).
+
+It applies to models whose every projection is a ``BlockLinear`` without bias, whose attention
+is the torch backend on contiguous caches, on steps of decode tokens only with fewer rows than
+any projection's measured switch to dequantized GEMMs; other steps take the modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitserve.engine.layers.attention import AttentionMetadata, TorchAttention
+from splitserve.engine.layers.block_linear import BlockLinear
+from splitserve.kernels.native import decode as native
+from splitserve.kernels.native.build import load
+
+
+class NativeDecode:
+    def __init__(self, model: Any, layers: list[Any]) -> None:
+        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        self.model, self.layers = model, layers
+        self.hidden = attn0.o_proj.out_features
+        self.heads, self.kv_heads, self.head_dim = (
+            attn0.num_heads,
+            attn0.num_kv_heads,
+            attn0.head_dim,
+        )
+        self.intermediate = mlp0.down_proj.in_features
+        self.eps = float(layers[0].input_layernorm.eps)
+        self.scale = float(attn0.backend.scale)
+        self.max_rows = min(
+            [p.dequantize_from for p in self._projections() if p.dequantize_from is not None],
+            default=1 << 30,
+        )
+        self._cache_ptr = -1
+        self._pointers = torch.empty(0, dtype=torch.int64)
+        self._types = torch.tensor([p.qtype for p in self._projections()], dtype=torch.int32)
+        self._dims = torch.tensor(
+            [self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate, 0,
+             len(layers)], dtype=torch.int64,
+        )  # fmt: skip
+
+    @classmethod
+    def build(cls, model: nn.Module) -> NativeDecode | None:
+        """The fast path for model, or None where it does not apply."""
+        layers: list[Any] = list(getattr(model, "layers", []))
+        if not layers or load() is None or not native.native_enabled():
+            return None
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(p, BlockLinear) for p in projections):
+                return None
+            if type(attn.backend) is not TorchAttention:
+                return None
+            if layer.input_layernorm.eps != layers[0].input_layernorm.eps:
+                return None
+        return cls(model, layers)
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        rows = x.shape[0]
+        return (
+            native.native_enabled()
+            and rows == meta.num_decode_tokens
+            and not meta.prefills
+            and rows < self.max_rows
+        )
+
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, hidden] embeddings -> (last MLP output, residual stream)."""
+        self._refresh_pointers()
+        rows = x.shape[0]
+        x = x.contiguous().clone()
+        residual = torch.empty_like(x)
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        scratch = x.new_empty(
+            rows * (2 * self.hidden + width + self.heads * self.head_dim + 3 * self.intermediate)
+        )
+        tables = meta.decode_block_tables.to(torch.int64).contiguous()
+        ints = [t.to(torch.int64).contiguous() for t in (positions, meta.slot_mapping)]
+        lens = meta.decode_context_lens.to(torch.int64).contiguous()
+        rotary = self.model.rotary
+        lib = load()
+        assert lib is not None
+        code = lib.splitserve_decode_layers(
+            x.data_ptr(), residual.data_ptr(), rows, self._pointers.data_ptr(),
+            self._types.data_ptr(), self._dims.data_ptr(), self.eps, self.scale,
+            ints[0].data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+            ints[1].data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            scratch.data_ptr(),
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"splitserve_decode_layers failed ({code})")
+        return x, residual
+
+    def _projections(self) -> list[BlockLinear]:
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        return out
+
+    def _refresh_pointers(self) -> None:
+        """Weight and cache addresses; rebuilt when the KV cache was (re)allocated."""
+        first = self.layers[0].self_attn.k_cache
+        if first.data_ptr() == self._cache_ptr:
+            return
+        pointers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous()):
+                raise ValueError("the native decode path needs contiguous KV caches")
+            tensors = (
+                attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight, layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight, attn.k_cache, attn.v_cache,
+            )  # fmt: skip
+            pointers += [t.data_ptr() for t in tensors]
+        self._pointers = torch.tensor(pointers, dtype=torch.int64)
+        self._dims[5] = first.shape[1]
+        self._cache_ptr = first.data_ptr()

@@ -1,0 +1,195 @@
+/* One decode token per sequence on the CPU, float32: the pieces of a decoder layer that were
+ * a dozen small torch ops each (RMSNorm with its residual add, rotary + K/V write + paged
+ * attention, SiLU-and-mul), as one call each.
+ *
+ * The arithmetic follows the torch code it replaces (engine/layers/norm.py, rotary.py,
+ * attention.py, activation.py) operation by operation in float32; sums run in another order
+ * (and, in the AVX2 clones, in vector lanes), so results agree to float32 rounding, not bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define CLONES __attribute__((target_clones("avx2", "default")))
+
+/* sum = x + residual (x alone when residual is NULL); out = weight * (sum * rsqrt(mean(sum^2) + eps)) */
+CLONES void splitserve_add_rms_norm(const float *x, const float *residual, const float *weight,
+                                    float eps, int64_t M, int64_t K, float *out, float *sum) {
+#pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        float *s = sum + m * K, *o = out + m * K;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t k = 0; k < K; k++) {
+            float v = residual ? xr[k] + residual[m * K + k] : xr[k];
+            s[k] = v;
+            squares += v * v;
+        }
+        float inv = 1.0f / sqrtf(squares / (float)K + eps);
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) o[k] = weight[k] * (s[k] * inv);
+    }
+}
+
+/* x [M, 2I] = gate | up -> out [M, I] = silu(gate) * up */
+CLONES void splitserve_silu_and_mul(const float *x, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = x + m * 2 * I, *u = g + I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) out[m * I + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate-half rotary of one head in place: x * cos + cat(-x2, x1) * sin. */
+static void rotate(float *x, const float *cos, const float *sin, int D) {
+    int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + (-b) * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+CLONES static float dot(const float *a, const float *b, int D) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+CLONES static void axpy(float a, const float *x, float *y, int D) {
+#pragma omp simd
+    for (int i = 0; i < D; i++) y[i] += a * x[i];
+}
+
+/* Attention of one sequence's query heads of KV head g over its cached context. */
+static void attend(const float *q, int group, int D, const float *k_cache, const float *v_cache,
+                   int64_t Hkv, int g, int64_t block_size, const int64_t *table, int64_t context,
+                   float scale, float *scores, float *out) {
+    for (int h = 0; h < group; h++) {
+        const float *qh = q + h * D;
+        float best = -INFINITY;
+        for (int64_t t = 0; t < context; t++) {
+            int64_t slot = table[t / block_size] * block_size + t % block_size;
+            scores[t] = dot(qh, k_cache + (slot * Hkv + g) * D, D) * scale;
+            if (scores[t] > best) best = scores[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < context; t++) {
+            scores[t] = expf(scores[t] - best);
+            total += scores[t];
+        }
+        float *oh = out + h * D;
+        for (int i = 0; i < D; i++) oh[i] = 0.0f;
+        for (int64_t t = 0; t < context; t++) {
+            int64_t slot = table[t / block_size] * block_size + t % block_size;
+            axpy(scores[t] / total, v_cache + (slot * Hkv + g) * D, oh, D);
+        }
+    }
+}
+
+/* qkv [B, (H + 2 Hkv) D] of B decode tokens, before rotary -> out [B, H D].
+ * Rotates q and k at positions[b] (cos/sin tables [max_positions, D]), writes k and v to
+ * slots[b] of the paged caches [blocks, block_size, Hkv, D] (a negative slot is padding and
+ * is not written), then attends over the first context_lens[b] tokens of block_tables[b].
+ * Returns 0, or -1 when scratch memory cannot be had. */
+int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int D,
+                                const int64_t *positions, const float *cos, const float *sin,
+                                float *k_cache, float *v_cache, int64_t block_size,
+                                const int64_t *slots, const int64_t *block_tables,
+                                int64_t max_blocks, const int64_t *context_lens, float scale,
+                                float *out) {
+    int64_t width = (int64_t)(H + 2 * Hkv) * D;
+    int group = H / Hkv, failed = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (slots[b] < 0) continue;
+        const float *row = qkv + b * width, *c = cos + positions[b] * D, *s = sin + positions[b] * D;
+        for (int g = 0; g < Hkv; g++) {
+            float *k = k_cache + (slots[b] * Hkv + g) * D, *v = v_cache + (slots[b] * Hkv + g) * D;
+            for (int i = 0; i < D; i++) {
+                k[i] = row[(H + g) * D + i];
+                v[i] = row[(H + Hkv + g) * D + i];
+            }
+            rotate(k, c, s, D);
+        }
+    }
+    int64_t longest = 1;
+    for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)longest);
+        float *q = malloc(sizeof(float) * (size_t)group * D);
+        if (!scores || !q) failed = 1;
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++) {
+            for (int g = 0; g < Hkv; g++) {
+                if (failed) continue;
+                const float *row = qkv + b * width;
+                const float *c = cos + positions[b] * D, *s = sin + positions[b] * D;
+                for (int h = 0; h < group; h++) {
+                    for (int i = 0; i < D; i++) q[h * D + i] = row[(g * group + h) * D + i];
+                    rotate(q + h * D, c, s, D);
+                }
+                attend(q, group, D, k_cache, v_cache, Hkv, g, block_size,
+                       block_tables + b * max_blocks, context_lens[b], scale, scores,
+                       out + b * (int64_t)H * D + (int64_t)g * group * D);
+            }
+        }
+        free(scores);
+        free(q);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- every decoder layer of a Llama-family model for B decode tokens, one call ---- */
+int splitserve_block_matmul(int qtype, int simd, const float *x, int64_t M, int64_t K,
+                            const uint8_t *w, int64_t N, float *out);
+
+enum { W_QKV, W_O, W_GATE_UP, W_DOWN, W_LN1, W_LN2, W_K_CACHE, W_V_CACHE, W_COUNT };
+enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_LAYERS, D_COUNT };
+
+/* x [B, hidden]: the embeddings, overwritten with the last layer's MLP output; residual
+ * [B, hidden] receives the residual stream (the final norm adds the two). layers: W_COUNT
+ * pointers per layer (the four projections' GGUF blocks, the two norms' weights, the layer's
+ * K and V caches); types: the four projections' GGUF types per layer; dims: D_COUNT sizes.
+ * scratch: B * (2 hidden + qkv width + H D + 3 I) floats. The per-step arguments are those of
+ * splitserve_decode_attention. Each step is the same native call the modules make one by
+ * one (engine/layers/native_decode.py), so the results equal theirs exactly. */
+int splitserve_decode_layers(float *x, float *residual, int64_t B, const uint64_t *layers,
+                             const int32_t *types, const int64_t *dims, float eps, float scale,
+                             const int64_t *positions, const float *cos, const float *sin,
+                             const int64_t *slots, const int64_t *block_tables,
+                             int64_t max_blocks, const int64_t *context_lens, float *scratch) {
+    int64_t hidden = dims[D_HIDDEN], H = dims[D_HEADS], Hkv = dims[D_KV_HEADS];
+    int64_t D = dims[D_HEAD_DIM], I = dims[D_INTER], width = (H + 2 * Hkv) * D;
+    float *h = scratch, *qkv = h + B * hidden, *attn = qkv + B * width;
+    float *gate_up = attn + B * H * D, *act = gate_up + B * 2 * I, *out = act + B * I;
+    for (int64_t l = 0; l < dims[D_LAYERS]; l++) {
+        const uint64_t *p = layers + l * W_COUNT;
+        const int32_t *t = types + l * 4;
+        splitserve_add_rms_norm(x, l ? residual : NULL, (const float *)p[W_LN1], eps, B, hidden,
+                                h, residual);
+        if (splitserve_block_matmul(t[0], 1, h, B, hidden, (const uint8_t *)p[W_QKV], width,
+                                    qkv))
+            return -1;
+        if (splitserve_decode_attention(qkv, B, (int)H, (int)Hkv, (int)D, positions, cos, sin,
+                                        (float *)p[W_K_CACHE], (float *)p[W_V_CACHE],
+                                        dims[D_BLOCK], slots, block_tables, max_blocks,
+                                        context_lens, scale, attn))
+            return -2;
+        if (splitserve_block_matmul(t[1], 1, attn, B, H * D, (const uint8_t *)p[W_O], hidden,
+                                    out))
+            return -1;
+        splitserve_add_rms_norm(out, residual, (const float *)p[W_LN2], eps, B, hidden, h,
+                                residual);
+        if (splitserve_block_matmul(t[2], 1, h, B, hidden, (const uint8_t *)p[W_GATE_UP], 2 * I,
+                                    gate_up))
+            return -1;
+        splitserve_silu_and_mul(gate_up, B, I, act);
+        if (splitserve_block_matmul(t[3], 1, act, B, I, (const uint8_t *)p[W_DOWN], hidden, x))
+            return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,100 @@
+"""Python doors to ``decode.c``: RMSNorm (+ residual), SiLU-and-mul, and rotary + K/V write +
+paged attention for decode tokens, on float32 CPU tensors.
+
+The torch code each replaces is the reference (``engine/layers/norm.py``, ``activation.py``,
+``attention.py`` with ``rotary.py``); tests/test_native_kernels.py compares them.
+``set_native_enabled(False)`` sends the engine back to the torch code (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from splitserve.kernels.native.build import load
+
+_enabled = True
+
+
+def set_native_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
+def native_enabled() -> bool:
+    return _enabled
+
+
+def use_native(x: torch.Tensor) -> bool:
+    """Whether x's op takes the native kernels: float32 on the CPU, built, enabled."""
+    return _enabled and x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not built")
+    return lib
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual); residual None: x alone."""
+    x = x.contiguous()
+    k = x.shape[-1]
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    res = 0 if residual is None else residual.contiguous().data_ptr()
+    _lib().splitserve_add_rms_norm(
+        x.data_ptr(),
+        res,
+        weight.data_ptr(),
+        eps,
+        x.numel() // k,
+        k,
+        out.data_ptr(),
+        summed.data_ptr(),
+    )
+    return out, summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    half = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], half)
+    _lib().splitserve_silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], half, out.data_ptr())
+    return out
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Decode rows: qkv [B, (H + 2 Hkv) D] before rotary; writes rotated k and v to the caches
+    [blocks, block_size, Hkv, D] at slots, and attention over each row's context to out
+    [B, H, D] (contiguous)."""
+    _, block_size, kv_heads, dim = k_cache.shape
+    tables = block_tables.to(torch.int64).contiguous()
+    ints = [t.to(torch.int64).contiguous() for t in (positions, slots, context_lens)]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("decode_attention needs contiguous caches and output")
+    code = _lib().splitserve_decode_attention(
+        qkv.contiguous().data_ptr(), qkv.shape[0], num_heads, kv_heads, dim,
+        ints[0].data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+        ints[1].data_ptr(), tables.data_ptr(), tables.shape[1], ints[2].data_ptr(),
+        scale, out.data_ptr(),
+    )  # fmt: skip
+    if code != 0:
+        raise MemoryError("decode_attention: no scratch memory")

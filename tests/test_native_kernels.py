@@ -1,0 +1,167 @@
+"""The native CPU kernels (splitserve/kernels/native/) against their torch references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, TorchAttention
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.kernels.native import build
+from splitserve.kernels.native import decode as native
+from splitserve.kernels.native.blocks import (
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    block_matmul,
+    dequantize_ref,
+    dequantize_rows,
+    native_available,
+)
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler here")
+
+GGML = {Q4_0: GGMLQuantizationType.Q4_0, Q4_1: GGMLQuantizationType.Q4_1,
+        Q8_0: GGMLQuantizationType.Q8_0}  # fmt: skip
+
+
+def _blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    weights = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    packed = quantize(weights, GGML[qtype])
+    return torch.from_numpy(packed.copy()), dequantize(packed, GGML[qtype])
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+def test_dequantize_ref_is_bit_identical_to_gguf_numpy(qtype: int) -> None:
+    blocks, reference = _blocks(qtype, 24, 96)
+    assert torch.equal(dequantize_ref(blocks, qtype), torch.from_numpy(reference))
+    rows = dequantize_rows(blocks, qtype, torch.tensor([5, 0, 23, 5]))
+    assert torch.equal(rows, torch.from_numpy(reference[[5, 0, 23, 5]]))
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("simd", [True, False])
+def test_block_matmul_equals_the_product_with_the_dequantized_weight(
+    qtype: int, rows: int, simd: bool
+) -> None:
+    blocks, reference = _blocks(qtype, 40, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    out = block_matmul(x, blocks, qtype, simd=simd)
+    expected = x.double() @ torch.from_numpy(reference).double().T
+    assert out.shape == (rows, 40)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+def test_block_matmul_refuses_a_mismatched_input() -> None:
+    blocks, _ = _blocks(Q4_1, 8, 64)
+    with pytest.raises(ValueError, match="float32"):
+        block_matmul(torch.randn(2, 32), blocks, Q4_1)
+
+
+def test_add_rms_norm_matches_the_torch_norm() -> None:
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.rand(96) + 0.5
+    x, residual = torch.randn(5, 96), torch.randn(5, 96)
+    native.set_native_enabled(False)
+    try:
+        ref_out, ref_sum = norm.add_and_norm(x, residual)
+        ref_alone = norm(x)
+    finally:
+        native.set_native_enabled(True)
+    out, summed = norm.add_and_norm(x, residual)
+    assert torch.equal(summed, ref_sum)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norm(x), ref_alone, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_matches_torch() -> None:
+    x = torch.randn(3, 2 * 80) * 4
+    native.set_native_enabled(False)
+    try:
+        reference = silu_and_mul(x)
+    finally:
+        native.set_native_enabled(True)
+    torch.testing.assert_close(silu_and_mul(x), reference, rtol=1e-6, atol=1e-6)
+
+
+def _decode_case(context_lens: list[int], block_size: int = 16) -> tuple:
+    heads, kv_heads, dim = 6, 2, 32
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = 20
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-n // block_size) for n in context_lens) + 1  # one padding column
+    tables, slots, start = [], [], 0
+    for n in context_lens:
+        count = -(-n // block_size)
+        table = order[start : start + count]
+        start += count
+        slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+        tables.append(table + [0] * (width - count))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=len(context_lens),
+        decode_block_tables=torch.tensor(tables),
+        decode_context_lens=torch.tensor(context_lens),
+        prefills=[],
+    )
+    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor(context_lens) - 1
+    rotary = RotaryEmbedding(dim, 256, 10000.0, None)
+    return TorchAttention(heads, kv_heads, dim), qkv, positions, rotary, cache, meta
+
+
+@pytest.mark.parametrize("context_lens", [[1], [37, 5, 16], [130, 64]])
+def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
+    context_lens: list[int],
+) -> None:
+    backend, qkv, positions, rotary, cache, meta = _decode_case(context_lens)
+    ref_cache = cache.clone()
+    native.set_native_enabled(False)
+    try:
+        reference = backend.forward_qkv(qkv, positions, rotary, ref_cache[0], ref_cache[1], meta)
+    finally:
+        native.set_native_enabled(True)
+    out = backend.forward_qkv(qkv, positions, rotary, cache[0], cache[1], meta)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+
+
+def test_build_caches_the_library_by_source(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = build.build(tmp_path)
+    assert first.exists() and first.parent.parent == tmp_path
+    stamp = first.stat().st_mtime_ns
+    assert build.build(tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        build.build(tmp_path)
+
+
+def test_native_decode_rows_beside_a_prefill_chunk_match_torch() -> None:
+    backend, qkv, positions, rotary, cache, meta = _decode_case([37, 5])
+    used = set(meta.decode_block_tables.flatten().tolist())
+    block = next(b for b in range(20) if b not in used)
+    chunk = torch.randn(5, qkv.shape[1], generator=torch.Generator().manual_seed(3))
+    meta.slot_mapping = torch.cat([meta.slot_mapping, block * 16 + torch.arange(3, 8)])
+    meta.prefills = [PrefillSegment(2, 5, 8, torch.tensor([block]))]
+    qkv = torch.cat([qkv, chunk])
+    positions = torch.cat([positions, torch.arange(3, 8)])
+    ref_cache = cache.clone()
+    native.set_native_enabled(False)
+    try:
+        reference = backend.forward_qkv(qkv, positions, rotary, ref_cache[0], ref_cache[1], meta)
+    finally:
+        native.set_native_enabled(True)
+    out = backend.forward_qkv(qkv, positions, rotary, cache[0], cache[1], meta)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
