@@ -33,7 +33,7 @@ def speculative(make_llm: Callable[..., LLM]) -> LLM:
     return make_llm(speculative=SpeculativeConfig("ngram", 6, dynamic=False))
 
 
-def _prompts(llm: LLM) -> list[str]:
+def _prompts(llm: LLM) -> list[list[int]]:
     return [llm.apply_chat_template([{"role": "user", "content": ask}]) for ask in ASKS]
 
 

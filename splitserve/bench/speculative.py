@@ -93,10 +93,7 @@ def _prompts(llm: LLM, workload: str, batch: int, input_len: int) -> list[list[i
     else:
         asks = FREE
     chats = itertools.islice(itertools.cycle(asks), batch)
-    return [
-        llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": ask}]))
-        for ask in chats
-    ]
+    return [llm.apply_chat_template([{"role": "user", "content": ask}]) for ask in chats]
 
 
 def _compare(
