@@ -87,6 +87,8 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for the running requests that decode next; starts the step's clock."""
         self._started = time.perf_counter()
+        for req in running:  # drafts of a request the last step had no budget for
+            req.draft_token_ids = []
         reqs = [r for r in running if _decoding(r)]
         limits = self.limits(reqs)
         asked = [(r, n) for r, n in zip(reqs, limits) if n > 0]
