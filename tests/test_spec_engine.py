@@ -127,29 +127,28 @@ def test_handoff_to_a_speculating_decode_engine_equals_colocated(
     assert decode.stats().spec_num_accepted_tokens > 0
 
 
-def _sampled(llm: LLM, prompt: list[int], seeds: range) -> list[list[int]]:
+def _sampled(llm: LLM, prompt: list[int], seeds: range, top_k: int = 4) -> list[list[int]]:
     params = [
-        SamplingParams(max_tokens=3, temperature=2.0, top_k=4, seed=s, ignore_eos=True)
+        SamplingParams(max_tokens=3, temperature=2.0, top_k=top_k, seed=s, ignore_eos=True)
         for s in seeds
     ]
-    return [
-        o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params, use_tqdm=False)
-    ]
+    outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_seeded_sampling_draws_the_same_tokens_with_speculation(
     smollm2_tokenizer: Any, models: dict[str, str]
 ) -> None:
-    plain = _llm(smollm2_tokenizer, models["target"])
+    plain = _llm(smollm2_tokenizer, models["target"], num_kv_blocks=512)
     spec = SpeculativeConfig("draft_model", 2, models["target"], dynamic=False)
-    speculative = _llm(smollm2_tokenizer, models["target"], speculative=spec)
+    speculative = _llm(smollm2_tokenizer, models["target"], speculative=spec, num_kv_blocks=512)
     assert _sampled(speculative, PROMPTS[1], range(40)) == _sampled(plain, PROMPTS[1], range(40))
     stats = speculative.engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
-CHI2_DF3_P001 = 16.27
-"""The chi-square statistic that 3 degrees of freedom exceed with probability 0.001."""
+CHI2_DF2_P001 = 13.82
+"""The chi-square statistic that 2 degrees of freedom exceed with probability 0.001."""
 
 
 def test_sampling_at_drafted_positions_has_the_target_distribution(
@@ -157,28 +156,34 @@ def test_sampling_at_drafted_positions_has_the_target_distribution(
 ) -> None:
     """Drafts are the target's own argmax (a draft model equal to the target): the token after
     the first one is drafted every time, kept when the draw agrees and replaced otherwise.
-    Its frequencies, given the most frequent first token, fit the exact top-4 distribution at
+    Its frequencies, given the most frequent first token, fit the exact top-3 distribution at
     temperature 2."""
     spec = SpeculativeConfig("draft_model", 2, models["target"], dynamic=False)
-    llm = _llm(smollm2_tokenizer, models["target"], speculative=spec, max_num_seqs=128)
-    samples = _sampled(llm, PROMPTS[1], range(1000, 2200))
+    llm = _llm(
+        smollm2_tokenizer,
+        models["target"],
+        speculative=spec,
+        max_num_seqs=200,
+        num_kv_blocks=1024,
+    )
+    samples = _sampled(llm, PROMPTS[1], range(1000, 1600), top_k=3)
     first = Counter(s[0] for s in samples).most_common(1)[0][0]
     seconds = Counter(s[1] for s in samples if s[0] == first)
     exact = (
         llm.generate(
             [PROMPTS[1] + [first]],
-            SamplingParams(max_tokens=1, temperature=0, logprobs=4),
+            SamplingParams(max_tokens=1, temperature=0, logprobs=3),
             use_tqdm=False,
         )[0]
         .outputs[0]
         .logprobs
     )
     assert exact is not None
-    weights = {t: math.exp(lp.logprob / 2.0) for t, lp in exact[0].items() if lp.rank <= 4}
+    weights = {t: math.exp(lp.logprob / 2.0) for t, lp in exact[0].items() if lp.rank <= 3}
     total, n = sum(weights.values()), sum(seconds.values())
     chi2 = sum((seconds[t] - n * w / total) ** 2 / (n * w / total) for t, w in weights.items())
     assert set(seconds) <= set(weights)
-    assert n > 200
-    assert chi2 < CHI2_DF3_P001
+    assert n > 150
+    assert chi2 < CHI2_DF2_P001
     stats = llm.engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
