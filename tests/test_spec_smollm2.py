@@ -90,7 +90,7 @@ def test_stops_max_tokens_and_logprobs_with_several_tokens_a_step(
         "stop",
         "length",
         "stop",
-        "length",
+        "stop",
     ]
     assert speculative.engine.stats().spec_num_accepted_tokens > before
 
