@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint fuzz bench chaos clean
 
 install: $(STAMP)
 
@@ -38,8 +38,18 @@ lint: install
 	$(VENV)/bin/mypy
 	$(PY) tools/check_layout.py splitserve
 
+# 250 positive and 250 negative schemathesis cases per endpoint (1,000 in all, random each run)
+# against a real 1P1D deployment: no 5xx, no worker failure, the server serves after.
+fuzz: install
+	SPLITSERVE_FUZZ_CASES=250 $(VENV)/bin/pytest -q tests/test_api_fuzz.py
+
 bench: install
 	bash benchmarks/cpu.sh
+
+# 200 streamed requests on 2 prefill + 2 decode workers while decode-0, then prefill-0, are
+# killed with SIGKILL (the short version is tests/test_disagg_chaos.py); one JSON line.
+chaos: install
+	$(PY) -m tests.support.chaos --requests 200
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -35,7 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitserve.kvstore.transfer import KVTransport, start_store
 from splitserve.services import messages as msg
-from splitserve.services.workers.channels import Outgoing, TensorReceiver, TensorSender
+from splitserve.services.sealing import Sealer
+from splitserve.services.workers.channels import (
+    Outgoing,
+    TensorReceiver,
+    TensorSender,
+    peer_name,
+)
 from splitserve.services.workers.slots import Slot
 
 POLLERS = [(None, 0), (20e-6, 1), (20e-6, 4), (200e-6, 1), (200e-6, 4), (1e-3, 1)]
@@ -84,19 +90,23 @@ def _sleep_cycles(device: torch.device, seconds: float) -> int:
 
 def _ordering(device: torch.device, busy_s: float) -> dict[str, Any]:
     server, address = start_store("127.0.0.1")
-    sending = KVTransport("p", address, device, "gloo", 60.0)
-    receiving = KVTransport("d", address, device, "gloo", 60.0)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     addr = f"tcp://127.0.0.1:{inbox.bind_to_random_port('tcp://127.0.0.1')}"
+    sending = KVTransport("p", address, device, "gloo", 60.0)
+    # Named as a worker names itself (the sender's channels are to "d" at addr).
+    receiving = KVTransport(peer_name("d", addr), address, device, "gloo", 60.0)
     stop = threading.Event()
     errors: queue.Queue[msg.RequestError] = queue.Queue()
-    sender = TensorSender("p", sending, ctx, stop, errors, print)
-    receiver: TensorReceiver[msg.KvHeader] = TensorReceiver("d", receiving, stop, print, "KV")
+    sealer = Sealer()
+    sender = TensorSender("p", sending, ctx, sealer, stop, errors, print)
+    receiver: TensorReceiver[msg.KvHeader] = TensorReceiver(
+        receiving.worker_id, receiving, stop, print, "KV"
+    )
     busy = _sleep_cycles(device, busy_s)
     try:
         for run in range(2):  # the channel and the allocator warm up; then the run
-            side = _through_channels(device, sender, receiver, inbox, addr, busy, run)
+            side = _through_channels(device, sender, receiver, inbox, addr, busy, run, sealer)
             default = _on_default_stream(device, sending, receiving, busy)
     finally:
         stop.set()
@@ -113,6 +123,7 @@ def _through_channels(
     addr: str,
     busy: int,
     run: int,
+    sealer: Sealer,
 ) -> dict[str, Any]:
     kv = torch.randn(SHAPE, device=device)
 
@@ -122,7 +133,7 @@ def _through_channels(
     start = time.monotonic()
     sender.send("d", addr, Outgoing(f"r{run}", header, [kv], "KV"))
     torch.cuda._sleep(busy)  # the loop's next step, queued after the KV was written
-    announced = msg.decode(inbox.recv())
+    announced = sealer.unseal(inbox.recv())
     assert isinstance(announced, msg.KvHeader)
     receiver.on_header(announced, [announced.shape], [Slot(tuple(SHAPE), torch.float32)])
     while not (results := receiver.collect()):
@@ -144,7 +155,7 @@ def _on_default_stream(
     start = time.monotonic()
     torch.cuda._sleep(busy)
     threads = [
-        threading.Thread(target=sending.send, args=("d", 7, kv)),
+        threading.Thread(target=sending.send, args=(receiving.worker_id, 7, kv)),
         threading.Thread(target=receiving.recv, args=("p", 7, out)),
     ]
     for thread in threads:

@@ -1,4 +1,4 @@
-"""`splitserve serve | scale | make-tiny-model | bench serve | bench offline`.
+"""`splitserve serve | scale | make-tiny-model | bench serve | bench offline | bench eplb`.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing lazily so that
@@ -23,6 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "splitserve.bench.offline",
         "engine prefill/decode throughput vs transformers",
     ),
+    "bench eplb": ("splitserve.bench.eplb", "expert-parallel load balancing simulator"),
 }
 
 

@@ -56,6 +56,9 @@ class ServerConfig:
     grammar_timeout_s: float = 5.0
     """The longest a request's structured-output constraint may take to compile in the API
     server (half the engine's own bound, so what the API accepts compiles on a worker)."""
+    migration_limit: int = 3
+    """How often one request may move to another worker when the one it waits on stops
+    (docs/disaggregation.md); past it, or with 0, the request fails with a 503."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -67,6 +70,7 @@ class ServerConfig:
         _require(all(self.admin_keys), "server.admin_keys must not contain empty keys")
         _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
         _require(self.grammar_timeout_s > 0, "server.grammar_timeout_s must be positive")
+        _require(self.migration_limit >= 0, "server.migration_limit must be non-negative")
 
 
 @dataclass(frozen=True)
@@ -233,9 +237,12 @@ class RayConfig:
     placement_timeout_s: float = 60.0
     """How long a replica may wait for room in the cluster (an autoscaling cluster adding
     nodes needs minutes), saying so every 10 s in the log."""
+    max_restarts: int = 10
+    """How often Ray restarts a worker whose process died (-1: without limit)."""
 
     def __post_init__(self) -> None:
         _require(self.placement_timeout_s > 0, "ray.placement_timeout_s must be positive")
+        _require(self.max_restarts >= -1, "ray.max_restarts must be -1 or more")
 
 
 @dataclass(frozen=True)

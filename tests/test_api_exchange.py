@@ -4,111 +4,32 @@ output reader survives messages that do not decode or whose handling raises."""
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
+import hmac
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.router.router import NoWorkerError, Router
+from splitserve.router.router import NoWorkerError
 from splitserve.services import messages as msg
 from splitserve.services.api.exchange import RequestExchange
-from splitserve.services.api.request_group import EngineRequestError, RequestGroup
-from splitserve.services.api.worker_pool import WorkerPool
-from splitserve.services.api.worker_view import WorkerEndpoint
-from splitserve.services.metrics import Metrics
+from splitserve.services.api.request_group import EngineRequestError
+from splitserve.services.sealing import Sealer
+from tests.support.exchange import (
+    DEADLINE_S,
+    MODEL,
+    PROMPT,
+    SEALER,
+    FakeWorker,
+    delta,
+    failures,
+    next_item,
+    run,
+    submit,
+)
 from tests.support.wait import wait_for_async
-
-DEADLINE_S = 5.0
-PROMPT = [1, 2, 3]
-MODEL = "tiny"
-
-
-class FakeWorker:
-    """A worker's two sockets, bound like a real worker's: requests in, output out."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, role: str) -> None:
-        self.worker_id = worker_id
-        self.requests = ctx.socket(zmq.PULL)
-        self.output = ctx.socket(zmq.PUSH)
-        for socket in (self.requests, self.output):
-            socket.setsockopt(zmq.LINGER, 0)
-        request_port = self.requests.bind_to_random_port("tcp://127.0.0.1")
-        output_port = self.output.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = WorkerEndpoint(
-            worker_id,
-            f"tcp://127.0.0.1:{request_port}",
-            f"tcp://127.0.0.1:{output_port}",
-            role,
-            f"tcp://127.0.0.1:{request_port}",
-        )
-
-    async def send(self, message: msg.Message) -> None:
-        await self.output.send(msg.encode(message))
-
-    async def heartbeat(self, free_blocks: int = 100) -> None:
-        await self.send(msg.WorkerStats(self.worker_id, 0, 0, free_blocks, 100, 0.0, 0, 0))
-
-    async def receive(self) -> msg.Message:
-        return msg.decode(await asyncio.wait_for(self.requests.recv(), DEADLINE_S))
-
-    async def received_id(self) -> str:
-        """The request id of the next GenerateRequest, Reserve or Prefill sent here."""
-        message = await self.receive()
-        assert isinstance(message, msg.GenerateRequest | msg.Reserve | msg.Prefill), message
-        return message.request_id
-
-
-def delta(
-    request_id: str, tokens: list[int], finish: str | None, prompt_tokens: int = 3
-) -> msg.OutputBatch:
-    return msg.OutputBatch(
-        [msg.TokenDelta(request_id, "", tokens, None, finish, None, prompt_tokens, 0)], []
-    )
-
-
-async def next_item(group: RequestGroup) -> tuple[int, msg.TokenDelta]:
-    return await asyncio.wait_for(anext(group), DEADLINE_S)
-
-
-def failures(metrics: Metrics, worker: str, reason: str) -> float | None:
-    labels = {"model_name": MODEL, "pool": worker.rsplit("-", 1)[0], "worker": worker}
-    return metrics.registry.get_sample_value(
-        "splitserve:request_failure_total", {**labels, "reason": reason}
-    )
-
-
-Scenario = Callable[[RequestExchange, dict[str, FakeWorker]], Awaitable[None]]
-
-
-def run(roles: dict[str, str], scenario: Scenario) -> None:
-    """Start an exchange on these workers (id -> role), wait until every one reported in,
-    and run the scenario on the exchange's event loop."""
-
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
-        metrics = Metrics(MODEL)
-        pool = WorkerPool([w.endpoint for w in workers.values()], metrics, heartbeat_timeout_s=60)
-        exchange = RequestExchange(pool, 16, metrics, Router("cache_aware", "cache_aware"))
-        exchange.start()
-        try:
-            for worker in workers.values():
-                await worker.heartbeat()
-            await wait_for_async(lambda: pool.ready, DEADLINE_S, message="every worker reported in")
-            await scenario(exchange, workers)
-        finally:
-            await exchange.close()
-            ctx.destroy(linger=0)
-
-    asyncio.run(main())
-
-
-def submit(exchange: RequestExchange, request_id: str) -> RequestGroup:
-    return exchange.submit([(request_id, PROMPT, SamplingParams(max_tokens=4))])
 
 
 @pytest.fixture
@@ -177,7 +98,9 @@ def test_the_reader_survives_an_undecodable_message(api_log: pytest.LogCaptureFi
     async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
         group = submit(exchange, "a")
         await w["both-0"].receive()
-        await w["both-0"].output.send(b"\xc1 not msgpack")
+        body = b"\xc1 not msgpack"
+        tag = hmac.new(SEALER.secret, body, hashlib.sha256).digest()
+        await w["both-0"].output.send(tag + body)
         await w["both-0"].send(delta("a", [4], "stop"))
         assert (await next_item(group))[1].token_ids == [4]
         messages = [r.getMessage() for r in api_log.records]
@@ -244,3 +167,73 @@ def test_a_request_that_fails_after_admission_releases_its_slot() -> None:
         assert (await next_item(group))[1].token_ids == [4]
 
     run({"both-0": "both"}, scenario)
+
+
+def test_the_reader_survives_a_receive_that_raises(api_log: pytest.LogCaptureFixture) -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        receive = exchange.pool.receive
+        raised: list[bool] = []
+
+        async def receive_raising_once(timeout_s: float) -> bytes | None:
+            if not raised:
+                raised.append(True)
+                raise OSError("the socket broke")
+            return await receive(timeout_s)
+
+        exchange.pool.receive = receive_raising_once  # type: ignore[method-assign]
+        group = submit(exchange, "a")
+        await w["both-0"].receive()
+        await w["both-0"].send(delta("a", [4], "stop"))
+        assert (await next_item(group))[1].token_ids == [4]
+        messages = [r.getMessage() for r in api_log.records]
+        assert messages == ["reading worker output failed; the reader goes on"]
+
+    run({"both-0": "both"}, scenario)
+
+
+def test_a_disaggregated_pool_left_without_prefill_workers_refuses_new_requests() -> None:
+    """Not a GenerateRequest to the decode worker, which cannot compute a prompt."""
+
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        await w["prefill-0"].send(msg.WorkerFailed("prefill-0", "worker loop stopped"))
+        await wait_for_async(
+            lambda: exchange.pool.worker_ids("prefill") == [],
+            DEADLINE_S,
+            message="the failed worker out of the pool",
+        )
+        with pytest.raises(NoWorkerError, match="no prefill worker is taking requests"):
+            submit(exchange, "a")
+        assert exchange.num_admitted == 0
+
+    run({"prefill-0": "prefill", "decode-0": "decode"}, scenario)
+
+
+def test_a_message_not_sealed_with_the_deployments_secret_is_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: any process that reached the API server's output socket could finish, fill or
+    fail its requests with a plain msgpack message."""
+
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        group = submit(exchange, "a")
+        await w["both-0"].receive()
+        forged = delta("a", [666], "stop")
+        await w["both-0"].output.send(msg.encode(forged))  # no tag at all
+        await w["both-0"].send(forged, Sealer(b"another deployment's key"))
+        tampered = bytearray(SEALER.seal(forged))
+        tampered[-3] ^= 1
+        await w["both-0"].output.send(bytes(tampered))
+        await w["both-0"].send(delta("a", [4], "stop"))
+        assert await next_item(group) == (0, msg.TokenDelta("a", "", [4], None, "stop", None, 3, 0))
+        labels = {"model_name": MODEL, "pool": "api", "worker": "api"}
+        rejected = exchange.metrics.registry.get_sample_value(
+            "splitserve:rejected_messages_total", labels
+        )
+        assert (rejected, exchange.pool.rejected.count) == (3.0, 3)
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("splitserve")] == [
+            "API server: dropped a message that is not from this deployment "
+            "(its HMAC is missing or wrong); 1 so far"
+        ]
+
+    with caplog.at_level(logging.WARNING):
+        run({"both-0": "both"}, scenario)

@@ -1,4 +1,5 @@
-"""Greedy token ids equal transformers on the same weights: SmolLM2 and tiny random models."""
+"""Greedy token ids equal transformers on the same weights: SmolLM2 and tiny random models
+(Llama, Qwen2, Mistral, and the MoE families Mixtral and Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,37 @@ def _tiny_mistral(tokenizer: Any, path: Path) -> tuple[Any, str]:
     )
 
 
-TINY_BUILDERS = {"llama": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral}
+def _tiny_mixtral(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    """8 experts, top-2, renormalized router."""
+    return tiny_model(
+        tokenizer, path, "mixtral", seed=3, num_local_experts=8, num_experts_per_tok=2
+    )
+
+
+def _tiny_qwen3_moe(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    """q/k norms, 8 experts of 48, top-3 without renormalization, layer 1 a dense MLP."""
+    return tiny_model(
+        tokenizer,
+        path,
+        "qwen3_moe",
+        seed=4,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        head_dim=32,
+        num_hidden_layers=3,
+    )
+
+
+TINY_BUILDERS = {
+    "llama": _tiny_llama,
+    "qwen2": _tiny_qwen2,
+    "mistral": _tiny_mistral,
+    "mixtral": _tiny_mixtral,
+    "qwen3_moe": _tiny_qwen3_moe,
+}
 
 
 @pytest.mark.parametrize("family", sorted(TINY_BUILDERS))

@@ -23,6 +23,8 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
+from splitserve.services.workers.channels import peer_name
 from splitserve.services.workers.prefill import PrefillWorker
 from splitserve.services.workers.spec import WorkerSpec
 from tests.support.server_process import free_port
@@ -35,6 +37,8 @@ ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
 INDEX = PrefixIndexConfig(url="memory://", ttl_s=3600.0, publish_interval_s=0.5)
 STORE = KVStoreConfig(host_bytes=0, retention={"chat": 3600.0}, default_class="chat")
 _ids = itertools.count()
+SEALER = Sealer()
+"""The test deployment's secret: the two prefill workers and the test's decode end share it."""
 
 
 class Decode:
@@ -44,11 +48,14 @@ class Decode:
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
-        self.transport = KVTransport("decode-0", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+        name = peer_name("decode-0", self.addr)  # as a DecodeWorker names itself
+        self.transport = KVTransport(
+            name, store, torch.device("cpu"), "gloo", TIMEOUT_S, key=SEALER.store_key()
+        )
 
     def receive(self) -> tuple[msg.KvHeader, torch.Tensor]:
         assert self.pull.poll(60_000), "no KV header within 60 s"
-        header = msg.decode(self.pull.recv())
+        header = SEALER.unseal(self.pull.recv())
         assert isinstance(header, msg.KvHeader)
         kv = torch.empty(header.shape)
         self.transport.recv(header.sender, header.generation, kv)
@@ -68,6 +75,7 @@ class Worker:
             store=store,
             prefix_index=INDEX,
             kv_store=STORE,
+            sealer=SEALER,
         )
         self.worker = PrefillWorker(spec)
         self.addr = str(self.worker.start()["request_addr"])
@@ -110,7 +118,7 @@ def prefill(
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(worker.addr)
     request_id = f"r-{next(_ids)}"
-    push.send(msg.encode(msg.Prefill(request_id, ids, PARAMS, "decode-0", decode.addr, peer=peer)))
+    push.send(SEALER.seal(msg.Prefill(request_id, ids, PARAMS, "decode-0", decode.addr, peer=peer)))
     push.close()
     header, kv = decode.receive()
     assert header.request_id == request_id

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex, make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.redis_index import RedisPrefixIndex
+from tests.support.hung_listener import hung_listener
 from tests.support.redis_process import RedisProcess
 
 H = block_hashes(list(range(64)), 16, 0)  # four chained blocks
@@ -224,21 +224,11 @@ def test_an_unresponsive_redis_costs_each_caller_at_most_its_timeout_once_per_re
     proxy) must not stall routing or publishing: the first call waits out the socket timeout
     and answers empty, the calls within the retry interval after it answer at once, and the
     next probe waits at most one timeout again."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
+    with hung_listener() as (port, accepted):
+        _check_unresponsive(f"redis://127.0.0.1:{port}/0", accepted)
 
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                accepted.append(listener.accept()[0])  # read nothing, answer nothing
-            except TimeoutError:
-                continue
 
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+def _check_unresponsive(url: str, accepted: list[socket.socket]) -> None:
     index = RedisPrefixIndex(url, TTL_S, timeout_s=0.2, retry_interval_s=0.5)
     try:
         start = time.monotonic()
@@ -257,9 +247,4 @@ def test_an_unresponsive_redis_costs_each_caller_at_most_its_timeout_once_per_re
         assert time.monotonic() - start < 1.0  # the probe and one lookup: a timeout each
         assert accepted, "the client did reach the listener"
     finally:
-        stop.set()
-        thread.join()
         index.close()
-        for conn in accepted:
-            conn.close()
-        listener.close()

@@ -17,6 +17,7 @@ from splitserve.services import messages as msg
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.api.worker_view import WorkerEndpoint
 from splitserve.services.metrics import Metrics
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.engine_worker import EngineWorker
 from splitserve.services.workers.spec import WorkerSpec
 from tests.support.tiny_models import tiny_model
@@ -33,7 +34,7 @@ def worker(
     model = tiny_model(smollm2_tokenizer, tmp_path_factory.mktemp("tiny-llama"))[1]
     worker = EngineWorker(WorkerSpec("both-0", "both", EngineConfig(model, **ENGINE), threads=0))
     info = worker.start()
-    api = ApiEnd(info)
+    api = ApiEnd(info, worker.sealer)
     try:
         yield worker, api
     finally:
@@ -70,7 +71,7 @@ def test_heartbeats_continue_through_a_step_longer_than_the_stats_interval(
 
 def test_the_pool_counts_a_heartbeat_as_alive() -> None:
     endpoint = WorkerEndpoint("decode-0", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "decode")
-    pool = WorkerPool([endpoint], Metrics("tiny"), heartbeat_timeout_s=1.0)
+    pool = WorkerPool([endpoint], Metrics("tiny"), Sealer(), heartbeat_timeout_s=1.0)
     worker = pool.find("decode-0")
     try:
         assert not worker.healthy(time.monotonic(), 1.0)

@@ -9,17 +9,18 @@ from typing import Any
 import torch
 
 from splitserve.engine.loader import SHAPE_PREFIX, is_gguf, is_random_shape
-from splitserve.engine.model_config import SHAPES
+from splitserve.engine.model_config import SHAPES, ModelConfig
 
 
 def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
     """The same GGUF / HF directory through transformers, or a random model of a shape."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if is_random_shape(path):
         cfg = SHAPES[path.removeprefix(SHAPE_PREFIX)]
-        config_class: Any = LlamaConfig
-        config = config_class(
+        config_name, model_name = _HF_CLASSES[cfg.architecture]
+        config = getattr(transformers, config_name)(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -31,9 +32,10 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
             tie_word_embeddings=cfg.tie_word_embeddings,
+            **_moe_settings(cfg),
         )
         with torch.device(device):
-            random_model: Any = LlamaForCausalLM(config)
+            random_model: Any = getattr(transformers, model_name)(config)
         return random_model.to(dtype=dtype).eval()
     kwargs: dict[str, Any] = {"dtype": dtype}
     if is_gguf(path):
@@ -41,6 +43,28 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
         path = os.path.dirname(os.path.abspath(path))
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device=device).eval()
+
+
+_HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
+def _moe_settings(cfg: ModelConfig) -> dict[str, Any]:
+    """The MoE keys of a transformers config for a shape (none for a dense one)."""
+    if cfg.moe is None:
+        return {}
+    settings = {"num_experts_per_tok": cfg.moe.top_k}
+    if cfg.architecture == "mixtral":
+        return settings | {"num_local_experts": cfg.moe.num_experts}
+    return settings | {
+        "num_experts": cfg.moe.num_experts,
+        "moe_intermediate_size": cfg.moe.intermediate_size,
+        "norm_topk_prob": cfg.moe.renormalize,
+        "mlp_only_layers": list(cfg.moe.dense_layers),
+    }
 
 
 def _sync(device: torch.device) -> None:

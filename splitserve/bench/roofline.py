@@ -71,20 +71,41 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     return Ceilings(bandwidth, 2 * n**3 / seconds)
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights touched by the transformer layers' matmuls (embeddings excluded)."""
+def matmul_params(cfg: ModelConfig, experts: float | None = None) -> int:
+    """Weights touched by the transformer layers' matmuls (embeddings excluded). MoE layers
+    count their router and ``experts`` experts (default: top_k, what one token multiplies)."""
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
-    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * per_layer
+    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
+    if cfg.moe is None:
+        return cfg.num_layers * (attention + dense)
+    moe = cfg.moe
+    routed = moe.top_k if experts is None else experts
+    sparse = (
+        cfg.hidden_size * moe.num_experts + routed * 3 * cfg.hidden_size * moe.intermediate_size
+    )
+    num_dense = len(moe.dense_layers)
+    return round(
+        cfg.num_layers * attention + num_dense * dense + (cfg.num_layers - num_dense) * sparse
+    )
 
 
-def weight_bytes(cfg: ModelConfig, element_size: int) -> int:
-    """Bytes a decode step reads: layer weights, the LM head and the norms."""
+def active_experts(cfg: ModelConfig, batch: int) -> float:
+    """Experts a decode step of ``batch`` tokens reads per MoE layer, in expectation under
+    uniform routing (random weights): E * (1 - (1 - k / E) ** batch)."""
+    assert cfg.moe is not None
+    num, top_k = cfg.moe.num_experts, cfg.moe.top_k
+    return num * (1 - (1 - top_k / num) ** batch)
+
+
+def weight_bytes(cfg: ModelConfig, element_size: int, batch: int = 1) -> int:
+    """Bytes a decode step of ``batch`` sequences reads: layer weights (of an MoE model the
+    experts its tokens are routed to), the LM head and the norms."""
     head = cfg.hidden_size * cfg.vocab_size
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
-    return (matmul_params(cfg) + head + norms) * element_size
+    experts = active_experts(cfg, batch) if cfg.moe is not None else None
+    return (matmul_params(cfg, experts) + head + norms) * element_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
@@ -95,8 +116,10 @@ def decode_step_bytes(
     cfg: ModelConfig, element_size: int, batch: int, context: int, weights: int | None = None
 ) -> int:
     """Weights (``weights`` bytes as held, e.g. GGUF blocks; else weight_bytes at the KV
-    element size) plus the batch's KV."""
-    held = weight_bytes(cfg, element_size) if weights is None else weights
+    element size; for an MoE model always weight_bytes, which counts only the experts the
+    batch's tokens are routed to) plus the batch's KV."""
+    moe = cfg.moe is not None
+    held = weight_bytes(cfg, element_size, batch) if weights is None or moe else weights
     return held + batch * context * kv_bytes_per_token(cfg, element_size)
 
 

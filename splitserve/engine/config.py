@@ -36,6 +36,15 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (engine/spec/, docs/speculative.md); None: off."""
+    record_expert_load: bool = False
+    expert_parallel_size: int = 1
+    """MoE models: the experts are sharded over this many engine processes of one
+    torch.distributed group, this one its rank (``engine/expert_parallel.py``)."""
+    expert_slots: tuple[tuple[int, ...], ...] | None = None
+    """An EPLB placement for them: each rank's logical experts (-1: empty slot); with
+    ``expert_shares``, the fraction of its expert's rows each slot serves. None: contiguous."""
+    expert_shares: tuple[tuple[float, ...], ...] | None = None
+    """MoE models: keep each step's per-expert load (``engine/expert_load.py``)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -72,11 +72,13 @@ class KVHandoff:
         prompt_token_ids: list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> bool:
         """Reserve blocks for a prompt prefilled elsewhere; False when none are free now.
 
-        images: the prompt's images, for image-aware block hashes of the adopted KV."""
-        req = self.engine.build_request(request_id, prompt_token_ids, params, images)
+        images: the prompt's images, for image-aware block hashes of the adopted KV.
+        resumed: output tokens of an earlier run at the prompt's end (LLMEngine.build_request)."""
+        req = self.engine.build_request(request_id, prompt_token_ids, params, images, resumed)
         if not self.engine.block_manager.allocate_slots(req, req.num_prompt_tokens):
             return False
         self.reserved[request_id] = req

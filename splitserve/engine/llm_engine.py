@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.expert_load import ExpertLoadRecorder
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
     eos_token_ids,
@@ -25,6 +26,7 @@ from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batc
 from splitserve.engine.phases import PhaseTimer
 from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
 from splitserve.engine.request import Request, RequestOutput
+from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -80,6 +82,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed)
         self.spec = build_speculator(config, self.model_config.vocab_size, self.max_model_len)
+        self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -106,6 +109,7 @@ class LLMEngine:
         prefill_only: bool = False,
         traffic_class: str | None = None,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> None:
         """Queue a request; ValueError if it can never be served.
 
@@ -113,8 +117,8 @@ class LLMEngine:
         (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
         which its blocks are kept in the block store (None: the store's default).
         images: the prompt's images with their embeddings (a vision-language model only).
-        """
-        req = self.build_request(request_id, prompt, params, images)
+        resumed: the prompt's last tokens that are output of an earlier run (engine/resume.py)."""
+        req = self.build_request(request_id, prompt, params, images, resumed)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
         self._register(req)
@@ -126,9 +130,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
+        resumed: int = 0,
     ) -> Request:
         """A validated request for this engine, not queued yet; ValueError if it can never be
-        served or its id is in use."""
+        served or its id is in use. resumed: engine/resume.py."""
         if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -139,6 +144,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
             req.grammar = self._grammar(params.structured_outputs)
+        resume(req, resumed, self.model_config.vocab_size)
         return req
 
     def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
@@ -214,8 +220,7 @@ class LLMEngine:
         """One scheduler step; returns the outputs of the requests that got a token.
 
         With overlapped scheduling (engine/overlap.py) a decode step is launched and the
-        outputs returned are those of the step launched before it.
-        """
+        outputs returned are those of the step launched before it."""
         phases = self.phases
         phases.start()
         inflight, max_batch = self._inflight, self._overlap_batch
@@ -234,6 +239,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.num_steps += 1
+        self.expert_load.mark_step()
         if max_batch and is_decode_batch(batch, max_batch):
             return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"

@@ -5,7 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: ``top_k`` of ``num_experts`` SwiGLU experts per token, chosen
+    by a softmax router; ``renormalize`` rescales the chosen probabilities to sum to one
+    (Mixtral always, Qwen3-MoE with ``norm_topk_prob``). Layers in ``dense_layers`` keep a
+    dense MLP of the model's ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError("moe top_k must be in [1, num_experts]")
 
 
 @dataclass(frozen=True)
@@ -25,6 +43,9 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
+    moe: MoEConfig | None = None
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -64,6 +85,8 @@ class ModelConfig:
             sliding_window=cfg.get("sliding_window")
             if cfg.get("use_sliding_window", True)
             else None,
+            moe=_moe_from_hf(model_type, cfg),
+            qk_norm=model_type == "qwen3_moe",
         )
 
     @classmethod
@@ -96,6 +119,28 @@ class ModelConfig:
         )
 
 
+def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if model_type == "mixtral":
+        return MoEConfig(
+            num_experts=cfg["num_local_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["intermediate_size"],
+            renormalize=True,
+        )
+    if model_type != "qwen3_moe":
+        return None
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    dense |= {i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step}
+    return MoEConfig(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=tuple(sorted(dense)),
+    )
+
+
 def _shape(**fields: Any) -> ModelConfig:
     base: dict[str, Any] = {
         "architecture": "llama",
@@ -119,6 +164,21 @@ SHAPES = {
         head_dim=16,
         rope_theta=10000.0,
         tie_word_embeddings=False,
+    ),
+    # Test-sized MoE: 8 experts, top-2 (tests/test_moe_engine.py).
+    "tiny-mixtral": _shape(
+        architecture="mixtral",
+        max_position_embeddings=2048,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=96, renormalize=True),
     ),
     "smollm2-135m": _shape(
         vocab_size=49152,
@@ -149,5 +209,37 @@ SHAPES = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+    ),
+    # Mixtral-8x7B-v0.1: 8 experts, top-2, renormalized.
+    "mixtral-8x7b": _shape(
+        architecture="mixtral",
+        max_position_embeddings=32768,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=14336, renormalize=True),
+    ),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8, renormalized; q/k norms.
+    "qwen3-30b-a3b": _shape(
+        architecture="qwen3_moe",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768, renormalize=True),
+        qk_norm=True,
     ),
 }

@@ -18,6 +18,7 @@ from splitserve.engine.layers.projection_choice import choose_cpu_paths
 from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.registry import expert_parallel, model_class
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import greedy_tokens
@@ -85,7 +86,7 @@ class ModelRunner:
             # shape is the target itself (engine/spec/draft_model.py).
             with torch.random.fork_rng(devices), torch.device(self.device):
                 torch.manual_seed(self.config.seed)
-                model = LlamaForCausalLM(cfg, backend)
+                model = model_class(cfg)(cfg, backend, **expert_parallel(self.config, cfg))
         finally:
             torch.set_default_dtype(previous)
         if weights_path is not None:

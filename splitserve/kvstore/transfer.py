@@ -22,12 +22,14 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from splitserve.kvstore.signed_store import SignedStore
 
 SENDER, RECEIVER = 0, 1
 POLL_S = 200e-6
@@ -135,8 +137,12 @@ class KVTransport:
         device: torch.device,
         backend: str = "auto",
         timeout_s: float = 30.0,
+        key: bytes | None = None,
     ) -> None:
+        """key: signs and checks every rendezvous value (kvstore/signed_store.py); the
+        service always gives its deployment's, None leaves the values unsigned."""
         self.worker_id = worker_id
+        self._key = key
         self.device = device
         self.backend = pick_backend(backend, device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -152,7 +158,8 @@ class KVTransport:
         """Send a contiguous tensor to peer (blocks until the peer has received it), after the
         work on the current stream (CUDA)."""
         group = self._group(self.worker_id, peer, generation, SENDER)
-        self._wait(group.send([self._staged(tensor)], RECEIVER, 0), peer)
+        staged = self._staged(tensor)
+        self._wait(lambda: group.send([staged], RECEIVER, 0), peer)
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def recv(self, peer: str, generation: int, out: torch.Tensor) -> None:
@@ -162,7 +169,7 @@ class KVTransport:
         group = self._group(peer, self.worker_id, generation, RECEIVER)
         staged = self.backend == "gloo" and out.device.type != "cpu"
         buffer = torch.empty(out.shape, dtype=out.dtype) if staged else out
-        self._wait(group.recv([buffer], SENDER, 0), peer)
+        self._wait(lambda: group.recv([buffer], SENDER, 0), peer)
         if buffer is not out:
             out.copy_(buffer)
         self.bytes_received += out.numel() * out.element_size()
@@ -187,9 +194,14 @@ class KVTransport:
                 # waits for its partner's key, lock held, while the other cannot publish its
                 # own) until the timeout.
                 store = self._connect_store()
-                prefix = dist.PrefixStore(f"kv/{sender}->{receiver}/{generation}", store)
+                name = f"kv/{sender}->{receiver}/{generation}"
+                scoped = (
+                    SignedStore(store, self._key, name)
+                    if self._key is not None
+                    else dist.PrefixStore(name, store)
+                )
                 try:
-                    channel.group = self._new_group(prefix, rank)
+                    channel.group = self._new_group(scoped, rank)
                 except RuntimeError as exc:
                     with self._lock:
                         if self._groups.get(key) is channel:
@@ -223,8 +235,11 @@ class KVTransport:
             return tensor.cpu()
         return tensor
 
-    def _wait(self, work: Any, peer: str) -> None:
+    def _wait(self, start: Callable[[], Any], peer: str) -> None:
+        """Start a transfer and wait for it; TransferError if either fails (gloo raises at
+        the start when the peer's connection is already closed: a peer that died)."""
         try:
+            work = start()
             if self.backend != "gloo":
                 self._poll(work, peer)
             work.wait(self.timeout)

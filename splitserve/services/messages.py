@@ -26,6 +26,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     traffic_class: str | None = None
+    resumed: int = 0
+    """The prompt's last tokens that are output of an earlier run (a migrated request)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class Reserve:
     prefill_worker: str
     images: list[ImageSpan] = dataclasses.field(default_factory=list)
     """The prompt's images: their content hashes keep the block hashes image-aware."""
+    resumed: int = 0
+    """The prompt's last tokens that are output of an earlier run (a migrated request)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Prefill:
     """The prompt's images; their embeddings come from a vision worker (EmbeddingsHeader)."""
     peer: PeerPrefix | None = None
     """Pull the prompt's prefix from this worker before computing the rest (peer_blocks.py)."""
+    resumed: int = 0
+    """The prompt's last tokens that are output of an earlier run (a migrated request)."""
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,12 @@ class Metrics:
         self.request_failure = counter(
             "request_failure", "Engine requests that failed or were refused", ("reason",)
         )
+        self.request_migrations = counter(
+            "request_migrations",
+            "Engine requests moved off a worker that stopped (the worker it left)",
+            ("reason",),
+        )
+        self.worker_restarts = counter("worker_restarts", "Workers restarted after they stopped")
         self.kv_transfer_bytes = counter(
             "kv_transfer_bytes", "KV bytes a worker sent (prefill) or received (decode)"
         )
@@ -83,6 +89,14 @@ class Metrics:
         )
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache", ("tier",)
+        )
+        self.rejected_messages = counter(
+            "rejected_messages",
+            "Internal messages dropped unread: their HMAC is missing or wrong",
+        )
+        self.prefix_lookup_timeouts = counter(
+            "prefix_lookup_timeouts",
+            "Requests routed by load alone: the prefix index did not answer in time",
         )
         self.router_decisions = Counter(
             "splitserve:router_decisions",

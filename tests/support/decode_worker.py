@@ -20,6 +20,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import Outgoing, TensorSender
 from splitserve.services.workers.decode import DecodeWorker
 from splitserve.services.workers.spec import WorkerSpec
@@ -33,7 +34,12 @@ class PrefillEnd:
     tensors back after its header (transfer.fault_send_delay_s)."""
 
     def __init__(
-        self, store: StoreAddress, kv_addr: str, timeout_s: float, delay_s: float = 0.0
+        self,
+        store: StoreAddress,
+        kv_addr: str,
+        timeout_s: float,
+        sealer: Sealer,
+        delay_s: float = 0.0,
     ) -> None:
         self.ctx = zmq.Context()
         self.stop = threading.Event()
@@ -41,11 +47,14 @@ class PrefillEnd:
         self.thread_failures: list[str] = []
         self.generations: list[int] = []
         """The channel generation of each header sent, in order."""
-        transport = KVTransport("prefill-0", store, torch.device("cpu"), "gloo", timeout_s)
+        transport = KVTransport(
+            "prefill-0", store, torch.device("cpu"), "gloo", timeout_s, key=sealer.store_key()
+        )
         self.sender = TensorSender(
             "prefill-0",
             transport,
             self.ctx,
+            sealer,
             self.stop,
             self.errors,
             self.thread_failures.append,
@@ -91,8 +100,8 @@ def decode_cluster(
     )
     worker = DecodeWorker(spec)
     info = worker.start()
-    api = ApiEnd(info)
-    prefill = PrefillEnd(address, info["kv_addr"], timeout_s, delay_s)
+    api = ApiEnd(info, spec.sealer)
+    prefill = PrefillEnd(address, info["kv_addr"], timeout_s, spec.sealer, delay_s)
     try:
         yield worker, api, prefill
     finally:

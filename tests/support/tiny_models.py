@@ -1,5 +1,6 @@
-"""Small random models of the Llama family, saved as Hugging Face directories (safetensors)
-with SmolLM2's tokenizer, for tests that need a real checkpoint that loads in a moment."""
+"""Small random models of the Llama family and its MoE relatives (Mixtral, Qwen3-MoE), saved
+as Hugging Face directories (safetensors) with SmolLM2's tokenizer, for tests that need a real
+checkpoint that loads in a moment."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 BASE = dict(
     hidden_size=64,
@@ -28,8 +31,9 @@ def tiny_model(
     tokenizer: Any, path: Path, family: str = "llama", seed: int = 0, **config: Any
 ) -> tuple[Any, str]:
     """(the transformers model, its directory): BASE's shape with ``config`` on top, weights
-    drawn after ``torch.manual_seed(seed)``. Qwen2's q/k/v biases, which transformers starts at
-    zero, are drawn too, so that they change the outputs."""
+    drawn after ``torch.manual_seed(seed)``. Qwen2's q/k/v biases and the q/k norm weights of
+    Qwen3-MoE, which transformers starts at zero and one, are drawn too, so that they change
+    the outputs."""
     import transformers
 
     config_name, model_name = FAMILIES[family]
@@ -43,6 +47,11 @@ def tiny_model(
                 attn = layer.self_attn
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if family == "qwen3_moe":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model, str(path)

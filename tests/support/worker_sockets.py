@@ -9,15 +9,18 @@ from typing import Any
 import zmq
 
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from tests.support.wait import wait_for
 
 
 class ApiEnd:
     """A PUSH socket to the worker's requests and a PULL socket on its outputs, connected once
     the worker's first stats arrive. Every message read is kept in ``seen``; WorkerStats and
-    IndexUpdate are read and kept like the others."""
+    IndexUpdate are read and kept like the others. Messages are sealed and checked with
+    ``sealer``, the worker's (its spec's)."""
 
-    def __init__(self, info: dict[str, Any]) -> None:
+    def __init__(self, info: dict[str, Any], sealer: Sealer) -> None:
+        self.sealer = sealer
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -33,14 +36,14 @@ class ApiEnd:
         self.wait("the worker's first stats", self.latest_stats, 10)
 
     def send(self, message: msg.Message) -> None:
-        self.push.send(msg.encode(message))
+        self.push.send(self.sealer.seal(message))
 
     def wait(self, what: str, done: Callable[[], object], timeout_s: float) -> float:
         """Read outputs until ``done()``; the seconds it took. AssertionError after timeout_s."""
 
         def read_then_check() -> bool:
             while self.pull.poll(0):
-                self._read(msg.decode(self.pull.recv()))
+                self._read(self.sealer.unseal(self.pull.recv()))
             return bool(done())
 
         return wait_for(

@@ -58,7 +58,12 @@ class NativeDecode:
             return None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            projections = (
+                attn.qkv_proj,
+                attn.o_proj,
+                getattr(mlp, "gate_up_proj", None),  # none in an MoE layer
+                getattr(mlp, "down_proj", None),
+            )
             if not all(isinstance(p, BlockLinear) for p in projections):
                 return None
             if type(attn.backend) is not TorchAttention:

@@ -48,9 +48,15 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (o_proj(attention(norm(x + residual))), x + residual)."""
-        qkv, residual = norm_linear(x, residual, norm, self.qkv_proj)
+        qkv, residual = self.project_qkv(x, residual, norm)
         out = self.backend.forward_qkv(qkv, positions, rotary, self.k_cache, self.v_cache, meta)
         return linear(out.reshape(-1, self.q_size), self.o_proj), residual
+
+    def project_qkv(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (q|k|v of norm(x + residual), x + residual)."""
+        return norm_linear(x, residual, norm, self.qkv_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -68,12 +74,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    """Attention then MLP. Other families pass their own: ``mlp`` is called as
+    (x, residual, norm) -> (output, residual), like ``LlamaMLP``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        attention: LlamaAttention | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = attention or LlamaAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp or LlamaMLP(cfg)
 
     def forward(
         self,
@@ -96,7 +111,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            self.build_layer(cfg, backend, index) for index in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -130,6 +147,10 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
+    def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
+        """Decoder layer ``index``: the hook where other families put their attention or MLP."""
+        return LlamaDecoderLayer(cfg, backend)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return dense(hidden, self.lm_head).float()
 
@@ -139,12 +160,23 @@ class LlamaForCausalLM(nn.Module):
     def weight_target(self, hf_name: str) -> tuple[str, int]:
         """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice
         there): q/k/v land in qkv_proj, gate/up in gate_up_proj."""
-        return _fused_target(hf_name, self.config)
+        return fused_target(hf_name, self.config)
+
+    def weight_targets(self, hf_name: str) -> list[tuple[str, int]]:
+        """A checkpoint tensor's Hugging Face name -> where it goes: (our parameter, first row
+        of its slice) for each copy, none for a tensor this model does not hold (an expert
+        on another rank); a parameter of 3 or more dimensions counts rows of all but its
+        last, flattened."""
+        return [self.weight_target(hf_name)]
+
+    def required_rows(self, name: str, param: torch.Tensor) -> int:
+        """How many rows of ``param`` the checkpoint must fill (all of them here)."""
+        return _rows(param)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        filled = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
             if hf_name == "model.rope_freqs.weight":
                 self.rotary.set_frequency_factors(tensor)
@@ -153,20 +185,36 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, offset = self.weight_target(hf_name)
-            param = params[name]
-            rows = tensor.shape[0]
-            param.data[offset : offset + rows].copy_(tensor.to(param.dtype))
-            loaded.add(hf_name)
-        _check_complete(loaded, self.config)
+            for name, offset in self.weight_targets(hf_name):
+                filled[name] += _copy_rows(params[name], offset, tensor)
+        missing = sorted(n for n, p in params.items() if filled[n] != self.required_rows(n, p))
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter of 3 or more dimensions as rows of its last: [E, R, C] -> [E * R, C]."""
+    return tensor.flatten(0, -2) if tensor.dim() > 2 else tensor
+
+
+def _rows(param: torch.Tensor) -> int:
+    return _flat(param).shape[0]
+
+
+def _copy_rows(param: torch.Tensor, offset: int, tensor: torch.Tensor) -> int:
+    """Copies tensor's rows into param's rows [offset, offset + rows); returns rows."""
+    source = _flat(tensor)
+    _flat(param.data)[offset : offset + source.shape[0]].copy_(source.to(param.dtype))
+    return source.shape[0]
 
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 _FUSED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def _fused_target(hf_name: str, cfg: ModelConfig) -> tuple[str, int]:
-    """HF tensor name -> (our parameter name, first row of its slice)."""
+def fused_target(hf_name: str, cfg: ModelConfig) -> tuple[str, int]:
+    """HF tensor name -> (our parameter name, first row of its slice): q/k/v into qkv_proj,
+    gate/up into gate_up_proj, other names as they are without ``model.``."""
     name = hf_name.removeprefix("model.")
     parts = name.split(".")
     if len(parts) >= 4 and parts[3] in _FUSED:
@@ -178,16 +226,3 @@ def _fused_target(hf_name: str, cfg: ModelConfig) -> tuple[str, int]:
         target, index = _FUSED_MLP[parts[3]]
         return ".".join([*parts[:2], "mlp", target, parts[-1]]), index * cfg.intermediate_size
     return name, 0
-
-
-def _check_complete(loaded: set[str], cfg: ModelConfig) -> None:
-    per_layer = ["input_layernorm", "post_attention_layernorm"]
-    per_layer += [f"self_attn.{p}_proj" for p in "qkvo"]
-    per_layer += [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
-    expected = {f"model.layers.{i}.{m}.weight" for i in range(cfg.num_layers) for m in per_layer}
-    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
-        expected.add("lm_head.weight")
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

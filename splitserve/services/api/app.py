@@ -20,7 +20,7 @@ _CREATED = int(time.time())
 def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> FastAPI:
     """An app serving ``state``; the caller starts ``state.exchange`` on the serving loop.
     With a ``scaler``, /admin/scale resizes the pools live."""
-    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.state.scaler = scaler
     install_error_handlers(app)

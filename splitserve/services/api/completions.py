@@ -70,7 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         for p in prompts
     ]
     echoes = await asyncio.to_thread(_echo_texts, state, body, prompts)
-    group = sv.submit(state, prompts, params, body.n, sv.traffic_class(state, request))
+    group = await sv.submit(state, prompts, params, body.n, sv.traffic_class(state, request))
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         return sv.GroupStream(group, _stream(state, body, group, response_id, prompts, echoes))
@@ -167,9 +167,9 @@ def _logprobs(
     for position in positions:
         text = sv.token_text(state, position[0])
         tokens.append(text)
-        token_logprobs.append(position[0].logprob)
+        token_logprobs.append(sv.json_logprob(position[0]))
         top_logprobs.append(
-            {sv.token_text(state, e): e.logprob for e in sv.top_entries(position, top)}
+            {sv.token_text(state, e): sv.json_logprob(e) for e in sv.top_entries(position, top)}
         )
         text_offset.append(offset)
         offset += len(text)

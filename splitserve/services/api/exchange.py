@@ -1,6 +1,8 @@
 """The API server's request exchange: admission, the hops of each request, the output reader.
 
-``submit`` admits one API request's engine requests as a RequestGroup (QueueFullError past
+``admit`` asks the prefix index about the prompts (off the event loop when the index is
+remote: router/prefix_lookup.py) and hands its answers to ``submit``, which admits one API
+request's engine requests as a RequestGroup (QueueFullError past
 ``max_queue``), asks the router where each goes (router/router.py, a pure decision from the
 prefix index's answer and the pool's loads) and sends them. Colocated workers get a
 GenerateRequest. Disaggregated requests take two hops: Reserve to the decode worker, and,
@@ -9,11 +11,12 @@ before any compute is spent); an image prompt's images go to a vision worker, wh
 embeddings to the prefill worker.
 
 One reader task takes every message the workers send: deltas and errors go to the group that
-owns the request, WorkerStats to the pool (heartbeats), IndexUpdate to the prefix lookup,
-WorkerFailed fails every request waiting on that worker. A message that does not decode, or
+owns the request, WorkerStats to the pool (heartbeats), IndexUpdate to the prefix lookup.
+A worker that stops (WorkerFailed, its process died: ``worker_stopped``; once a second, those
+whose heartbeat stopped) no longer takes requests, and every request waiting on it migrates
+to the workers left (migration.py) or fails with a 503. A message that does not decode, or
 whose handling raises, is logged and dropped, and the request it concerns fails (500) instead
-of waiting forever; the reader goes on. Once a second it fails the requests waiting on a
-worker whose heartbeat stopped. Nothing here runs model code.
+of waiting forever; the reader goes on. Nothing here runs model code.
 """
 
 from __future__ import annotations
@@ -25,18 +28,20 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.router.policy import Candidate
 from splitserve.router.prefix_lookup import PrefixLookup
-from splitserve.router.router import Pools, Route, Router, RouteRequest
+from splitserve.router.router import Route, Router
 from splitserve.services import messages as msg
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.inflight import InFlight
+from splitserve.services.api.migration import Migrations, Submission, as_original
 from splitserve.services.api.request_group import QueueFullError, RequestGroup
+from splitserve.services.api.routing import Routing
 from splitserve.services.api.worker_pool import WorkerPool
-from splitserve.services.api.worker_view import Tracked, WorkerState
+from splitserve.services.api.worker_view import Tracked, WorkerEndpoint, WorkerState
 from splitserve.services.metrics import Metrics
 
 SWEEP_INTERVAL_S = 1.0
+READ_RETRY_S = 0.01
 
 log = logging.getLogger("splitserve.api")
 
@@ -50,15 +55,22 @@ class RequestExchange:
         router: Router | None = None,
         block_size: int = 16,
         prefix: PrefixLookup | None = None,
+        migration_limit: int = 3,
     ) -> None:
-        """prefix: the prefix index lookup that routing uses (None: load only)."""
+        """prefix: the prefix index lookup that routing uses (None: load only).
+        migration_limit: how often a request may move off a worker that stopped."""
         self.pool = pool
         self.max_queue = max_queue
         self.metrics = metrics
-        self.router = router or Router()
-        self.block_size = block_size
+        self.routing = Routing(pool, metrics, router or Router(), block_size, prefix)
         self.prefix = prefix
+        self.block_size = block_size
         self.inflight = InFlight(metrics)
+        self.migrations = Migrations(
+            migration_limit, metrics, pool, self.inflight, self.routing, self._send
+        )
+        self.on_worker_failed: Callable[[str], None] | None = None
+        """Told the id of a worker that sent WorkerFailed (its supervisor restarts it)."""
         self._reader: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -71,29 +83,49 @@ class RequestExchange:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self.pool.close()
+        if self.prefix is not None:
+            self.prefix.close()
 
     @property
     def num_admitted(self) -> int:
         return len(self.inflight)
+
+    async def admit(
+        self,
+        requests: Sequence[tuple[str, list[int], SamplingParams]],
+        traffic_class: str | None = None,
+        images: PromptImages | None = None,
+    ) -> RequestGroup:
+        """``submit``, with the prefix index's answers for the prompts asked first."""
+        cached = await self.routing.cached([prompt_ids for _, prompt_ids, _ in requests])
+        return self.submit(requests, traffic_class, images, cached)
 
     def submit(
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         traffic_class: str | None = None,
         images: PromptImages | None = None,
+        cached: Sequence[dict[str, int]] | None = None,
     ) -> RequestGroup:
         """Admit engine requests as one group (one API request); QueueFullError if over
         bound, router.NoWorkerError (before any is sent) if a pool they need is empty.
 
         traffic_class: the retention class of the blocks its prompts leave in block stores.
         images: the images of the prompt (every request of the group has the same prompt);
-        a vision worker encodes them for each request's prefill worker."""
+        a vision worker encodes them for each request's prefill worker. cached: the prefix
+        index's answer for each request's prompt (None: routed by load alone)."""
         if len(self.inflight) + len(requests) > self.max_queue:
             raise QueueFullError(f"the server is at its admission bound of {self.max_queue}")
         group = RequestGroup([request_id for request_id, _, _ in requests], self.abort)
         try:
             for index, (request_id, prompt_ids, params) in enumerate(requests):
-                self._admit(group, index, request_id, prompt_ids, params, traffic_class, images)
+                submission = Submission(prompt_ids, params, traffic_class, images)
+                blocks = cached[index] if cached is not None else {}
+                route, workers = self.routing.route(request_id, prompt_ids, images, blocks)
+                decode = workers[route.decode]
+                tracked = Tracked(group, index, decode, time.monotonic(), request_id=request_id)
+                tracked.submission = submission
+                self._send(request_id, tracked, submission, route, workers)
         except BaseException:
             # NOTE: a request admitted before the failure (or the one whose send raised, for
             # example a message that does not encode) would hold its slot for ever.
@@ -101,70 +133,47 @@ class RequestExchange:
             raise
         return group
 
-    def _admit(
+    def _send(
         self,
-        group: RequestGroup,
-        index: int,
         request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        traffic_class: str | None,
-        images: PromptImages | None,
+        tracked: Tracked,
+        sub: Submission,
+        route: Route,
+        workers: dict[str, WorkerState],
     ) -> None:
-        now = time.monotonic()
-        route, workers = self._route(request_id, prompt_ids, images, now)
-        decode = workers[route.decode]
-        tracked = Tracked(group, index, decode, now)
+        """Track an attempt of a request and send its first hop (or its only one)."""
+        decode, prompt_ids, params = tracked.worker, sub.prompt_ids, sub.params
         self.inflight.add(request_id, tracked, -(-len(prompt_ids) // self.block_size))
         if route.prefill is None:
-            generate = msg.GenerateRequest(request_id, prompt_ids, params, traffic_class)
+            generate = msg.GenerateRequest(
+                request_id, prompt_ids, params, sub.traffic_class, sub.resumed
+            )
             self.pool.send(decode, generate)
             self.inflight.prompt_sent(tracked)
             return
         prefill = workers[route.prefill]
         self.inflight.add_prefill(tracked, prefill, route.prefill_tokens)
-        spans = images.spans if images is not None else []
+        spans = sub.images.spans if sub.images is not None else []
         peer = None
         if route.peer is not None:
             address = workers[route.peer.worker_id].endpoint.request_addr
             peer = msg.PeerPrefix(route.peer.worker_id, address, route.peer.blocks)
         kv_addr = decode.endpoint.kv_addr
         tracked.pending_prefill = msg.Prefill(
-            request_id, prompt_ids, params, decode.worker_id, kv_addr, traffic_class, spans, peer
+            request_id,
+            prompt_ids,
+            params,
+            decode.worker_id,
+            kv_addr,
+            sub.traffic_class,
+            spans,
+            peer,
+            sub.resumed,
         )
-        if route.vision is not None and images is not None:
-            self._encode(tracked, workers[route.vision], request_id, images)
-        reserve = msg.Reserve(request_id, prompt_ids, params, prefill.worker_id, spans)
+        if route.vision is not None and sub.images is not None:
+            self._encode(tracked, workers[route.vision], request_id, sub.images)
+        reserve = msg.Reserve(request_id, prompt_ids, params, prefill.worker_id, spans, sub.resumed)
         self.pool.send(decode, reserve)
-
-    def _route(
-        self, request_id: str, prompt_ids: list[int], images: PromptImages | None, now: float
-    ) -> tuple[Route, dict[str, WorkerState]]:
-        """The router's decision on the pools as they are now, and the workers by id."""
-        decodes = self.pool.routable("decode", "both")
-        prefills = self.pool.routable("prefill")
-        visions = self.pool.routable("vision") if images is not None else []
-        hashes = None if images is None else [image.image_hash for image in images.data]
-        cached = self._cached(prompt_ids, prefills or decodes)
-        request = RouteRequest(request_id, prompt_ids, self.block_size, cached, hashes)
-        pools = Pools(*(self._view(ws, now) for ws in (decodes, prefills, visions)))
-        route = self.router.route(request, pools)
-        self._count_decision(route)
-        return route, {w.worker_id: w for w in decodes + prefills + visions}
-
-    def _view(self, workers: list[WorkerState], now: float) -> list[Candidate]:
-        timeout = self.pool.heartbeat_timeout_s
-        return [w.candidate(now, timeout) for w in workers]
-
-    def _cached(self, prompt_ids: list[int], workers: list[WorkerState]) -> dict[str, int]:
-        """The prefix index's answer for the prompt, when the router has a use for it, hashed
-        from the root the workers that compute prompts report (none while they disagree)."""
-        if self.prefix is None or not self.router.wants_prefix(self.pool.count("prefill")):
-            return {}
-        roots = {w.last_stats.hash_root for w in workers if w.last_stats is not None}
-        if len(roots) != 1:
-            return {}
-        return self.prefix.cached_blocks(prompt_ids, roots.pop())
 
     def _encode(
         self, tracked: Tracked, vision: WorkerState, request_id: str, images: PromptImages
@@ -177,35 +186,32 @@ class RequestExchange:
         message = msg.EncodeImages(request_id, images.data, prefill.worker_id, prefill.kv_addr)
         self.pool.send(vision, message)
 
-    def _count_decision(self, route: Route) -> None:
-        m, router = self.metrics, self.router
-        if route.prefill is not None:
-            m.router_decisions.labels(m.model_name, router.prefill_policy.name, "prefill").inc()
-        m.router_decisions.labels(m.model_name, router.decode_policy.name, "decode").inc()
-
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests that have not finished; their workers free the KV blocks."""
         by_worker: dict[WorkerState, list[str]] = {}
-        for request_id in request_ids:
+        for original_id in request_ids:
+            request_id = self.migrations.current(original_id)
+            self.migrations.forget(original_id)
             tracked = self.inflight.get(request_id)
             if tracked is None:
                 continue
-            vision = tracked.vision  # before remove(), which ends the prompt's hops
+            hops = tracked.hops()  # before remove(), which ends the prompt's hops
             self.inflight.remove(request_id, "abort")
-            by_worker.setdefault(tracked.worker, []).append(request_id)
-            if tracked.prefill is not None and tracked.pending_prefill is None:
-                by_worker.setdefault(tracked.prefill, []).append(request_id)
-            if vision is not None:
-                by_worker.setdefault(vision, []).append(request_id)
+            for worker in hops:
+                by_worker.setdefault(worker, []).append(request_id)
         for worker, ids in by_worker.items():
             self.pool.send(worker, msg.AbortRequest(ids))
 
     async def _read_loop(self) -> None:
         last_sweep = time.monotonic()
         while True:
-            data = await self.pool.receive(SWEEP_INTERVAL_S)
-            if data is not None:
-                self._handle(data)
+            try:
+                data = await self.pool.receive(SWEEP_INTERVAL_S)
+                if data is not None:
+                    self._handle(data)
+            except Exception:  # the reader outlives any one failure (its requests: _guarded)
+                log.exception("reading worker output failed; the reader goes on")
+                await asyncio.sleep(READ_RETRY_S)
             if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
                 last_sweep = time.monotonic()
                 self._guarded(None, self._fail_lost_requests)
@@ -220,7 +226,7 @@ class RequestExchange:
             for delta in message.deltas:
                 self._guarded(delta.request_id, partial(self._on_delta, delta))
             for error in message.errors:
-                self._guarded(error.request_id, partial(self._on_error, error, ""))
+                self._guarded(error.request_id, partial(self._on_worker_error, error))
         elif isinstance(message, msg.Reserved):
             self._guarded(message.request_id, partial(self._on_reserved, message))
         elif isinstance(message, msg.WorkerStats):
@@ -263,13 +269,24 @@ class RequestExchange:
         self.inflight.prompt_sent(tracked)
 
     def _on_worker_failed(self, failed: msg.WorkerFailed) -> None:
-        worker = self.pool.mark_failed(failed.worker_id, failed.reason)
+        self.worker_stopped(failed.worker_id, failed.reason, "worker_failed")
+        if self.on_worker_failed is not None:
+            self.on_worker_failed(failed.worker_id)
+
+    def worker_stopped(self, worker_id: str, why: str, reason: str = "worker_died") -> None:
+        """A worker stopped for good (it said so, or its process died): it takes no new
+        requests, and those waiting on it migrate (or fail with a 503)."""
+        worker = self.pool.mark_failed(worker_id, why)
         if worker is not None:
-            why = f"worker {failed.worker_id} failed: {failed.reason}"
-            self._fail_waiting([worker], lambda _: why, "worker_failed")
+            text = f"worker {worker_id} failed: {why}"
+            self._fail_waiting([worker], lambda _: text, reason)
+
+    def rejoin(self, endpoint: WorkerEndpoint) -> None:
+        """A stopped worker runs again (restarted): route to it under its id from now on."""
+        self.pool.replace(endpoint)
 
     def _fail_lost_requests(self) -> None:
-        """Requests waiting on a worker whose heartbeat stopped get an error."""
+        """Requests waiting on a worker whose heartbeat stopped migrate or get an error."""
         lost = self.pool.lost(time.monotonic())
         self._fail_waiting(
             lost, lambda w: f"worker {w.worker_id} stopped responding", "worker_lost"
@@ -279,14 +296,33 @@ class RequestExchange:
     def _fail_waiting(
         self, workers: list[WorkerState], why: Callable[[WorkerState], str], reason: str
     ) -> None:
-        """Every tracked request that waits on one of ``workers`` fails with a 503."""
+        """Every tracked request that waits on one of ``workers`` migrates to the workers
+        left (migration.py) or, past its limit or with none left, fails with a 503."""
         for request_id, stopped in self.inflight.waiting_on(workers):
             error = msg.RequestError(request_id, why(stopped), 503)
-            self._guarded(request_id, partial(self._on_error, error, reason))
+            self._guarded(request_id, partial(self._migrate_or_fail, error, stopped, reason))
+
+    def _on_worker_error(self, error: msg.RequestError) -> None:
+        """A worker failed a request: a 503 (the service failed it: a transfer, a peer that
+        stopped) migrates like a request on a stopped worker; any other status is final."""
+        if error.status == 503:
+            self._migrate_or_fail(error, None, "request_failed")
+        else:
+            self._on_error(error, "")
+
+    def _migrate_or_fail(
+        self, error: msg.RequestError, stopped: WorkerState | None, reason: str
+    ) -> None:
+        if not self.migrations.migrate(error.request_id, stopped, reason):
+            self._on_error(error, reason)
 
     def _on_delta(self, delta: msg.TokenDelta) -> None:
+        tracked = self.inflight.get(delta.request_id)
+        if tracked is not None:
+            delta = as_original(tracked, delta)
         tracked = self.inflight.on_delta(delta)
         if tracked is not None:
+            tracked.token_ids += delta.token_ids
             tracked.group.queue.put_nowait((tracked.index, delta))
 
     def _on_error(self, error: msg.RequestError, reason: str) -> None:

@@ -64,7 +64,8 @@ class InFlight:
         tracked = self._tracked.get(delta.request_id)
         if tracked is None:
             return None
-        if self.telemetry.tokens(tracked, len(delta.token_ids)):
+        self.telemetry.tokens(tracked, len(delta.token_ids))
+        if delta.token_ids:
             self._prompt_done(tracked)
         if delta.finish_reason is not None:
             self._untrack(delta.request_id)
@@ -77,6 +78,11 @@ class InFlight:
         if tracked is not None:
             self.telemetry.failed(request_id, tracked, reason)
         return tracked
+
+    def moved(self, request_id: str) -> Tracked | None:
+        """Stop tracking an attempt that migrates (neither finished nor failed): its workers no
+        longer count it; ``add`` tracks its next attempt."""
+        return self._untrack(request_id)
 
     def waiting_on(self, workers: Sequence[WorkerState]) -> list[tuple[str, WorkerState]]:
         """(request id, the first of ``workers`` it waits on) for each request waiting on one."""

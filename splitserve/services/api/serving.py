@@ -142,7 +142,7 @@ def traffic_class(state: ServerState, request: Request) -> str:
     return name
 
 
-def submit(
+async def submit(
     state: ServerState,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
@@ -159,7 +159,7 @@ def submit(
             choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
             requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
     try:
-        return state.exchange.submit(requests, traffic, images)
+        return await state.exchange.admit(requests, traffic, images)
     except NoWorkerError as exc:
         raise APIError(503, str(exc), "server_error", code="no_worker") from exc
     except QueueFullError as exc:
@@ -248,6 +248,18 @@ def token_text(state: ServerState, entry: TokenLogprob) -> str:
     if entry.decoded_token is not None:
         return entry.decoded_token
     return str(state.tokenizer.decode([entry.token_id]))
+
+
+LOWEST_LOGPROB = -9999.0
+"""What a logprob of -inf (a token a structured-output grammar masked) is reported as: JSON has
+no infinity (a response holding one failed with a 500, a stream sent invalid JSON), and
+-9999.0 is what vLLM reports."""
+
+
+def json_logprob(entry: TokenLogprob) -> float:
+    """The entry's logprob as JSON can carry it: finite, at least LOWEST_LOGPROB."""
+    value = entry.logprob
+    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB
 
 
 def top_entries(position: list[TokenLogprob], n: int) -> list[TokenLogprob]:

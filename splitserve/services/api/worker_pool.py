@@ -22,7 +22,8 @@ import zmq.asyncio
 
 from splitserve.services import messages as msg
 from splitserve.services.api.worker_view import WorkerEndpoint, WorkerState
-from splitserve.services.metrics import Metrics
+from splitserve.services.metrics import API_POOL, Metrics
+from splitserve.services.sealing import Forged, Rejections, Sealer
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,12 @@ class WorkerPool:
         self,
         endpoints: Sequence[WorkerEndpoint],
         metrics: Metrics,
+        sealer: Sealer,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
         self.metrics = metrics
+        self.sealer = sealer
+        self.rejected = Rejections(log, "API server")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
@@ -64,14 +68,20 @@ class WorkerPool:
         """Send to a worker; nothing goes to a removed one (its socket is closed, and it no
         longer holds any of our requests)."""
         if not worker.removed:
-            worker.socket.send(msg.encode(message))
+            worker.socket.send(self.sealer.seal(message))
 
     async def receive(self, timeout_s: float) -> bytes | None:
-        """The next message any worker sent, or None after ``timeout_s`` without one."""
-        if await self._pull.poll(timeout_s * 1000):
-            data: bytes = await self._pull.recv()
-            return data
-        return None
+        """The body of the next message any worker sent, its seal checked (one not sealed
+        by this deployment is dropped and counted); None after ``timeout_s`` without one."""
+        if not await self._pull.poll(timeout_s * 1000):
+            return None
+        data: bytes = await self._pull.recv()
+        try:
+            return self.sealer.check(data)
+        except Forged as forged:
+            self.rejected.add(forged)
+            self.metrics.rejected_messages.labels(*self.metrics.labels(API_POOL, API_POOL)).inc()
+            return None
 
     def pools(self) -> dict[str, dict[str, int]]:
         """Per role: how many workers there are and how many sent a heartbeat recently."""
@@ -119,6 +129,24 @@ class WorkerPool:
         self._connect(endpoint)
         self.count_workers()
 
+    def replace(self, endpoint: WorkerEndpoint) -> None:
+        """A worker that stopped runs again under its id (restarted, with new addresses): the
+        old one leaves and the new one is routed to from now on (once it reports in)."""
+        try:
+            old = self.find(endpoint.worker_id)
+        except KeyError:
+            return  # removed meanwhile (scaled away): the new one is not part of the pool
+        self._disconnect(old)
+        self._connect(endpoint)
+        self.metrics.worker_restarts.labels(*self.metrics.labels(old.pool, old.worker_id)).inc()
+        self.count_workers()
+
+    def _disconnect(self, worker: WorkerState) -> None:
+        worker.removed = True
+        worker.draining = False
+        worker.socket.close(linger=0)
+        self._pull.disconnect(worker.endpoint.output_addr)
+
     async def drain(self, worker_id: str) -> None:
         """Stop routing new requests to a worker and wait until no request in flight waits
         on it (a prefill worker's once their first token arrived, a decode worker's once they
@@ -128,10 +156,7 @@ class WorkerPool:
         self.count_workers()
         while worker.busy:
             await asyncio.sleep(DRAIN_POLL_S)
-        worker.removed = True
-        worker.draining = False
-        worker.socket.close(linger=0)
-        self._pull.disconnect(worker.endpoint.output_addr)
+        self._disconnect(worker)
         self.metrics.forget_worker(worker.pool, worker_id)
         self.count_workers()
 

@@ -17,6 +17,7 @@ from splitserve.router.policy import Candidate
 from splitserve.services import messages as msg
 
 if TYPE_CHECKING:
+    from splitserve.services.api.migration import Submission
     from splitserve.services.api.request_group import RequestGroup
 
 
@@ -115,7 +116,32 @@ class Tracked:
     vision: WorkerState | None = None
     """The vision worker encoding its images, until its prompt is done."""
     prompt_done: bool = False
-    """Its first token came (or it ended): its prefill and vision workers are done with it."""
+    """Its current attempt's first token came (or it ended): its prefill and vision workers
+    are done with it."""
+    request_id: str = ""
+    """The id it was admitted under (an attempt after a migration has an id of its own)."""
+    submission: Submission | None = None
+    """What was sent for it at admission, to send again if it migrates (migration.py)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens its client has been sent."""
+    migrations: int = 0
+
+    def hops(self) -> list[WorkerState]:
+        """The workers that hold something of its current attempt."""
+        hops = [self.worker]
+        if self.prefill is not None and self.pending_prefill is None:
+            hops.append(self.prefill)
+        if self.vision is not None:
+            hops.append(self.vision)
+        return hops
+
+    def new_attempt(self, decode: WorkerState) -> None:
+        """It migrates: its next attempt decodes on ``decode``; its other hops are chosen anew."""
+        self.worker = decode
+        self.prefill = self.vision = self.pending_prefill = None
+        self.prompt_done = False
+        self.prefill_tokens = 0
+        self.migrations += 1
 
     @property
     def prompt_worker(self) -> WorkerState:
@@ -124,7 +150,7 @@ class Tracked:
 
     def waits_on(self, worker: WorkerState) -> bool:
         """Whether this request cannot finish without ``worker``: its decode worker always,
-        its prefill and vision workers until its first token."""
+        its prefill and vision workers until its (current attempt's) first token."""
         if worker is self.worker or worker is self.vision:
             return True
-        return worker is self.prefill and not self.first_token
+        return worker is self.prefill and not self.prompt_done

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from splitserve.config import DeployConfig, PoolConfig
+from splitserve.services.sealing import Sealer
 
 if TYPE_CHECKING:
     from splitserve.kvstore.transfer import StoreAddress
@@ -53,6 +54,8 @@ class Deployment:
         self._owns_ray = False
         self._store: Any = None
         self._store_addr: StoreAddress | None = None
+        self.sealer = Sealer()
+        """This deployment's secret: every internal message is sealed with it."""
 
     @property
     def max_model_len(self) -> int:
@@ -158,6 +161,8 @@ class Deployment:
             ray.remote(worker_class(pool.role))
             .options(
                 name=f"splitserve-{worker_id}",
+                max_restarts=self.config.ray.max_restarts,
+                max_concurrency=2,  # start / stop beside wait_stopped (launch/supervisor.py)
                 num_cpus=pool.num_cpus,
                 num_gpus=pool.num_gpus,
                 resources=dict(pool.resources),
@@ -175,11 +180,17 @@ class Deployment:
                     prefix_index=self.config.prefix_index if caches else None,
                     kv_store=self.config.kv_store if caches else None,
                     images=self.config.images,
+                    sealer=self.sealer,
                 )
             )
         )
         self.replicas[worker_id] = Replica(worker_id, name, actor, group)
         return self.replicas[worker_id]
+
+    def restarted(self, info: dict[str, Any]) -> None:
+        """A replica's actor was restarted and started again: its new WorkerInfo."""
+        others = [w for w in self.workers if w["worker_id"] != info["worker_id"]]
+        self.workers = [*others, info]
 
     def remove_replica(self, worker_id: str) -> None:
         """Stop one worker, kill its actor and give its placement group back."""

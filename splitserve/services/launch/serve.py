@@ -87,6 +87,7 @@ async def _serve(deployment: Deployment) -> None:
     from splitserve.services.api.worker_pool import WorkerPool
     from splitserve.services.api.worker_view import WorkerEndpoint
     from splitserve.services.launch.scaling import Scaler
+    from splitserve.services.launch.supervisor import Supervisor
     from splitserve.services.metrics import Metrics
 
     config = deployment.config
@@ -99,7 +100,7 @@ async def _serve(deployment: Deployment) -> None:
     decode_pool = next(n for n, p in config.pools.items() if p.role in ("decode", "both"))
     block_size = config.engine_config(decode_pool).block_size
     index = make_index(config.prefix_index.url, config.prefix_index.ttl_s)
-    pool = WorkerPool(endpoints, metrics, config.server.heartbeat_timeout_s)
+    pool = WorkerPool(endpoints, metrics, deployment.sealer, config.server.heartbeat_timeout_s)
     client = RequestExchange(
         pool,
         config.server.max_queue,
@@ -107,8 +108,13 @@ async def _serve(deployment: Deployment) -> None:
         router=Router(config.router.policy, config.router.policy),
         block_size=block_size,
         prefix=PrefixLookup(index, block_size),
+        migration_limit=config.server.migration_limit,
     )
     client.start()
+    loop = asyncio.get_running_loop()
+    supervisor = Supervisor(deployment, loop, client.worker_stopped, client.rejoin)
+    client.on_worker_failed = supervisor.restart
+    supervisor.start()
     state = ServerState(
         config,
         deployment.tokenizer,
@@ -133,6 +139,7 @@ async def _serve(deployment: Deployment) -> None:
         await _announce_when_ready(server, pool, serving, config)
         await serving
     finally:
+        supervisor.stop()
         await client.close()
 
 

@@ -7,13 +7,17 @@ it without Ray. ``start`` binds a PULL socket for requests and a PUSH socket for
 starts the loop thread: drain the input sockets, do one round of work, report stats a few
 times a second. Only the loop thread touches the engine, which is not thread-safe.
 
-A loop that meets an unexpected error does not die silently: it is logged, every request the
-worker holds fails with a 503, ``WorkerFailed`` tells the API server to route elsewhere, and
-the loop stops. A sender or receiver thread that stops on one makes the loop do the same.
+A loop that meets an unexpected error goes on: the error is logged and only the requests it
+concerns fail with a 500 (a message's request; for a round, ``_failed_round``: an engine
+worker's requests in its engine). A sender or receiver thread that stops on an error, or
+MAX_FAILED_ROUNDS rounds that raise within a minute, stop the loop instead: every request
+the worker holds fails with a 503 and ``WorkerFailed`` tells the API server, whose
+supervisor has Ray restart the process (services/launch/supervisor.py).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -30,12 +34,18 @@ import zmq
 from splitserve.engine.phases import PhaseTimer
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Forged, Rejections
+from splitserve.services.workers.channels import peer_name
 from splitserve.services.workers.spec import WorkerSpec
 
 STATS_INTERVAL_S = 0.2
 HEARTBEAT_INTERVAL_S = 1.0
 """Heartbeats come from a thread of their own (the loop's stats stop during a long step)."""
 IDLE_POLL_MS = 50
+MAX_FAILED_ROUNDS = 3
+"""Rounds that raise within FAILED_ROUNDS_WINDOW_S before the worker gives up (WorkerFailed;
+its supervisor restarts the process): a fault that keeps coming back is not transient."""
+FAILED_ROUNDS_WINDOW_S = 60.0
 logger = logging.getLogger("splitserve.worker")
 
 
@@ -90,11 +100,24 @@ class Worker(ABC):
         """The output socket is the loop's and the heartbeat thread's: one sender at a time."""
         self._round_started = time.monotonic()
         self._heartbeat: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._info: dict[str, Any] | None = None
         self.phases = PhaseTimer()
         """The loop's time by phase (idle, receive, stats; subclasses add theirs)."""
+        self.sealer = spec.sealer
+        self.rejected = Rejections(logger, f"worker {spec.worker_id}")
+        """Messages dropped unread: their HMAC is missing or wrong (services/sealing.py)."""
 
     def start(self) -> dict[str, Any]:
-        """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict."""
+        """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict
+        (a second call returns the first one's: a supervisor may call again, not knowing
+        whether its call ran)."""
+        with self._start_lock:
+            if self._info is None:
+                self._info = self._start_once()
+            return self._info
+
+    def _start_once(self) -> dict[str, Any]:
         if self.spec.threads > 0:
             torch.set_num_threads(self.spec.threads)
         self._load()
@@ -106,6 +129,7 @@ class Worker(ABC):
         self._outputs.setsockopt(zmq.LINGER, 0)
         request_port = self._requests.bind_to_random_port(f"tcp://{host}")
         output_port = self._outputs.bind_to_random_port(f"tcp://{host}")
+        self.request_addr = f"tcp://{host}:{request_port}"
         self._poller = zmq.Poller()
         self._poller.register(self._requests, zmq.POLLIN)
         self._setup()
@@ -120,7 +144,7 @@ class Worker(ABC):
             role=self.role,
             model_name=self.model_name,
             max_model_len=self.max_model_len,
-            request_addr=f"tcp://{host}:{request_port}",
+            request_addr=self.request_addr,
             output_addr=f"tcp://{host}:{output_port}",
             kv_addr=self.kv_addr,
             pid=os.getpid(),
@@ -134,6 +158,11 @@ class Worker(ABC):
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._ctx.destroy(linger=0)
+
+    def wait_stopped(self) -> None:
+        """Returns once ``stop`` was called: a supervisor keeps this call pending to learn
+        when the process dies (Ray fails the call then; services/launch/supervisor.py)."""
+        self._stop.wait()
 
     @abstractmethod
     def _load(self) -> None:
@@ -159,13 +188,40 @@ class Worker(ABC):
     def _poll_ms(self) -> int:
         return IDLE_POLL_MS
 
+    def _failed_round(self) -> list[str]:
+        """The requests a round that raised has failed: by default every one held."""
+        return self._held()
+
     def _loop(self) -> None:
-        try:
-            self.phases.start()
-            while not self._stop.is_set():
+        self.phases.start()
+        failures: collections.deque[float] = collections.deque(maxlen=MAX_FAILED_ROUNDS)
+        while not self._stop.is_set():
+            try:
                 self._round()
-        except Exception as exc:
-            self._crashed(exc)
+            except ThreadFailed as exc:
+                self._crashed(exc)
+                return
+            except Exception as exc:
+                failures.append(time.monotonic())
+                if (
+                    len(failures) == MAX_FAILED_ROUNDS
+                    and failures[-1] - failures[0] < FAILED_ROUNDS_WINDOW_S
+                ):
+                    self._crashed(exc)
+                    return
+                self._recover(exc, self._failed_round())
+
+    def _recover(self, exc: Exception, request_ids: list[str]) -> None:
+        """A round or a message raised: log it, fail (and drop) only the requests it concerns
+        with a 500 (the request itself may be the cause: it is not tried elsewhere), go on."""
+        logger.exception("worker %s: failed %s; the loop goes on", self.worker_id, request_ids)
+        error = f"worker {self.worker_id} failed this request: {type(exc).__name__}: {exc}"
+        try:
+            self._handle(msg.AbortRequest(request_ids))
+        except Exception:
+            logger.exception("worker %s: dropping %s failed too", self.worker_id, request_ids)
+        self._errors += [msg.RequestError(request_id, error, 500) for request_id in request_ids]
+        self._send_batch([])
 
     def _beat(self) -> None:
         """Heartbeats while the loop runs (one that stopped has said so: WorkerFailed)."""
@@ -210,12 +266,23 @@ class Worker(ABC):
                 except zmq.Again:
                     break
                 try:
-                    message = msg.decode(data)
+                    message = self.sealer.unseal(data)
+                except Forged as forged:
+                    self.rejected.add(forged)
+                    continue
                 except ValueError:
-                    continue  # not a message of ours (peers write here too): dropped
+                    continue  # sealed by us but not a message: dropped
                 if not self._defer(message):
-                    self._handle(message)
+                    self._handle_guarded(message)
         self.phases.lap("receive")
+
+    def _handle_guarded(self, message: msg.Message) -> None:
+        """One message; if handling it raises, only its request fails."""
+        try:
+            self._handle(message)
+        except Exception as exc:
+            request_id = getattr(message, "request_id", None)
+            self._recover(exc, [request_id] if isinstance(request_id, str) else [])
 
     def _defer(self, message: msg.Message) -> bool:
         """True to keep the message from ``_handle`` for now (a subclass hands it on later)."""
@@ -237,7 +304,7 @@ class Worker(ABC):
         """To the API server. The queue is unbounded, so this only fails when no API server
         is connected (not yet, or it stopped or dropped this worker): then the message has
         nobody to go to, and blocking here would hang the loop and its shutdown."""
-        data = msg.encode(message)
+        data = self.sealer.seal(message)
         with self._send_lock, contextlib.suppress(zmq.Again):
             self._outputs.send(data, zmq.NOBLOCK)
 
@@ -249,12 +316,20 @@ class Worker(ABC):
         self._send(self._stats())
 
 
-def open_transport(spec: WorkerSpec) -> KVTransport:
-    """A worker's KV transport, from its spec's rendezvous store and transfer config."""
+def open_transport(spec: WorkerSpec, addr: str) -> KVTransport:
+    """A worker's KV transport, from its spec's rendezvous store and transfer config, named
+    after the worker and ``addr`` (channels.peer_name)."""
     assert spec.store is not None, f"worker {spec.worker_id} needs the rendezvous store"
-    transfer = spec.transfer
+    transfer, name = spec.transfer, peer_name(spec.worker_id, addr)
     device = torch.device(spec.engine.device)
-    return KVTransport(spec.worker_id, spec.store, device, transfer.backend, transfer.timeout_s)
+    return KVTransport(
+        name,
+        spec.store,
+        device,
+        transfer.backend,
+        transfer.timeout_s,
+        key=spec.sealer.store_key(),
+    )
 
 
 def worker_class(role: str) -> type[Worker]:

@@ -44,6 +44,7 @@ from splitserve.kvstore.transfer import (
     use_on_current_stream,
 )
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.slots import Refused, Slot, accept
 
 QUEUE_POLL_S = 0.1
@@ -181,7 +182,8 @@ class _Queued:
 class TensorSender:
     """The sending end: ``send`` queues (loop thread); each peer's thread sends in order.
 
-    errors: where failed requests go. timed: told each successful send's seconds.
+    sealer: the deployment's, which every header is sealed with. errors: where failed
+    requests go. timed: told each successful send's seconds.
     delay_s: a pause between a header and its tensors (transfer.fault_send_delay_s, tests).
     """
 
@@ -190,6 +192,7 @@ class TensorSender:
         worker_id: str,
         transport: KVTransport,
         ctx: zmq.Context,
+        sealer: Sealer,
         stop: threading.Event,
         errors: queue.Queue[msg.RequestError],
         failed: Callable[[str], None],
@@ -199,6 +202,7 @@ class TensorSender:
         self.worker_id = worker_id
         self.transport = transport
         self._ctx = ctx
+        self._sealer = sealer
         self._stop = stop
         self._errors = errors
         self._failed = failed
@@ -207,16 +211,18 @@ class TensorSender:
         self._outboxes: dict[str, queue.Queue[_Queued]] = {}
 
     def send(self, peer: str, addr: str, outgoing: Outgoing) -> None:
-        """Queue a send to ``peer``, whose header socket is at ``addr``, of tensors that the
-        work queued so far on this thread's stream wrote (the send waits for it, not the loop)."""
-        if peer not in self._outboxes:
-            self._outboxes[peer] = queue.Queue()
+        """Queue a send to worker ``peer``, whose header socket is at ``addr``, of tensors that
+        the work queued so far on this thread's stream wrote (the send waits for it, not the
+        loop). A restarted peer has a new ``addr``, so it gets a channel of its own."""
+        name = peer_name(peer, addr)
+        if name not in self._outboxes:
+            self._outboxes[name] = queue.Queue()
             body = _guarded(self._send_loop, self._stop, self._failed, peer, addr)
             threading.Thread(target=body, name=f"send-{peer}", daemon=True).start()
-        self._outboxes[peer].put(_Queued(outgoing, stream_mark(self.transport.device)))
+        self._outboxes[name].put(_Queued(outgoing, stream_mark(self.transport.device)))
 
     def _send_loop(self, peer: str, addr: str) -> None:
-        outbox = self._outboxes[peer]
+        outbox = self._outboxes[peer_name(peer, addr)]
         stream = TransferStream(self.transport.device)
         socket = push_socket(self._ctx, addr)
         generation = 0
@@ -227,26 +233,27 @@ class TensorSender:
                 except queue.Empty:
                     continue
                 outgoing = queued.outgoing
-                socket.send(msg.encode(outgoing.header(generation)))
+                socket.send(self._sealer.seal(outgoing.header(generation)))
                 if not outgoing.tensors:
                     continue
                 stream.wait(queued.ready)
                 with stream.current():
-                    sent = self._send_tensors(peer, generation, outgoing)
+                    sent = self._send_tensors(peer, addr, generation, outgoing)
                 if not sent:
                     generation += 1
         finally:
             socket.close(linger=0)
 
-    def _send_tensors(self, peer: str, generation: int, outgoing: Outgoing) -> bool:
+    def _send_tensors(self, peer: str, addr: str, generation: int, outgoing: Outgoing) -> bool:
         if self._delay_s:
             time.sleep(self._delay_s)
         start = time.monotonic()
+        name = peer_name(peer, addr)
         try:
             for tensor in outgoing.tensors:
-                self.transport.send(peer, generation, tensor)
+                self.transport.send(name, generation, tensor)
         except TransferError as exc:
-            self.transport.drop(self.worker_id, peer, generation)
+            self.transport.drop(self.worker_id, name, generation)
             if outgoing.what is not None:
                 error = f"sending {outgoing.what} to {peer} failed: {exc}"
                 self._errors.put(msg.RequestError(outgoing.request_id, error, 503))
@@ -254,6 +261,14 @@ class TensorSender:
         if self._timed is not None:
             self._timed(time.monotonic() - start)
         return True
+
+
+def peer_name(worker_id: str, addr: str) -> str:
+    """A worker's name on the KV transport: its id and the address where it takes tensor
+    headers (for a worker that takes none, its request address). The address is new each time
+    the worker's process starts, so the channels of a restarted worker never meet its
+    predecessor's (their rendezvous keys, a receiver thread still waiting on the dead one)."""
+    return f"{worker_id}@{addr}"
 
 
 def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:

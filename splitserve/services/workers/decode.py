@@ -52,17 +52,17 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def _setup(self) -> None:
-        self.transport = open_transport(self.spec)
         self.timeout_s = self.spec.transfer.timeout_s
         self._headers = self._ctx.socket(zmq.PULL)
         port = self._headers.bind_to_random_port(f"tcp://{self.spec.bind_host}")
         self.kv_addr = f"tcp://{self.spec.bind_host}:{port}"
+        self.transport = open_transport(self.spec, self.kv_addr)
         self._poller.register(self._headers, zmq.POLLIN)
         self._waiting: collections.deque[msg.Reserve] = collections.deque()
         self._reserved: dict[str, _Room] = {}
         self._ended: dict[str, _Room] = {}
         self.receiver: TensorReceiver[msg.KvHeader] = TensorReceiver(
-            self.worker_id, self.transport, self._stop, self._thread_failed, "KV"
+            self.transport.worker_id, self.transport, self._stop, self._thread_failed, "KV"
         )
 
     def _poll_ms(self) -> int:
@@ -95,9 +95,9 @@ class DecodeWorker(EngineWorker):
             request = self._waiting[0]
             try:
                 images = [ImageInput(span) for span in request.images]
-                if not self.engine.handoff.reserve(
-                    request.request_id, request.prompt_token_ids, request.params, images
-                ):
+                handoff = self.engine.handoff
+                ids, params = request.prompt_token_ids, request.params
+                if not handoff.reserve(request.request_id, ids, params, images, request.resumed):
                     return
             except ValueError as exc:
                 self._errors.append(msg.RequestError(request.request_id, str(exc)))
@@ -169,9 +169,17 @@ class DecodeWorker(EngineWorker):
             self._transfer_seconds.put(item.seconds)
             kv, *embeddings = item.tensors
             logprobs = None if header.logprobs is None else engine_position(header.logprobs)
-            output = self.engine.handoff.adopt(
-                header.request_id, kv, header.first_token, logprobs, next(iter(embeddings), None)
-            )
+            try:
+                output = self.engine.handoff.adopt(
+                    header.request_id,
+                    kv,
+                    header.first_token,
+                    logprobs,
+                    next(iter(embeddings), None),
+                )
+            except Exception as exc:  # this request's KV or first token: it alone fails
+                self._recover(exc, [header.request_id])
+                continue
             self._sent[header.request_id] = (0, 0)
             outputs.append(output)
         return outputs

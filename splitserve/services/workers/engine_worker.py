@@ -98,6 +98,7 @@ class EngineWorker(Worker):
                     message.prompt_token_ids,
                     message.params,
                     traffic_class=message.traffic_class,
+                    resumed=message.resumed,
                 )
             except ValueError as exc:
                 self._errors.append(msg.RequestError(message.request_id, str(exc)))
@@ -114,6 +115,10 @@ class EngineWorker(Worker):
 
     def _held(self) -> list[str]:
         return self.grammars.held() + list(self._sent)
+
+    def _failed_round(self) -> list[str]:
+        """A round that raised failed the requests in the engine (its step touched them)."""
+        return list(self.engine.requests)
 
     def _tick(self) -> None:
         self._send_outputs(self._step())

@@ -40,6 +40,7 @@ from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.store import BlockStore
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import TensorReceiver, push_socket
 from splitserve.services.workers.slots import Slot
 
@@ -153,6 +154,7 @@ class PeerFetches:
         worker_id: str,
         reply_addr: str,
         ctx: zmq.Context,
+        sealer: Sealer,
         transport: KVTransport,
         staged: StagedBlocks,
         engine: LLMEngine,
@@ -166,9 +168,10 @@ class PeerFetches:
         self.timeout_s = transport.timeout.total_seconds()
         self.wait_s = self.timeout_s * PEER_WAIT_FRACTION
         self.receiver: TensorReceiver[msg.PeerBlocks] = TensorReceiver(
-            worker_id, transport, stop, failed, "prefix blocks"
+            transport.worker_id, transport, stop, failed, "prefix blocks"
         )
         self._ctx = ctx
+        self._sealer = sealer
         self._sockets: dict[str, zmq.Socket] = {}
         self._waiting: dict[str, _Fetch] = {}
         self._asked: dict[str, _Asked] = {}
@@ -197,7 +200,7 @@ class PeerFetches:
         if not wanted:
             return False
         ask = msg.FetchBlocks(prefill.request_id, self.worker_id, self.reply_addr, wanted)
-        self._socket(peer.request_addr).send(msg.encode(ask))
+        self._socket(peer.request_addr).send(self._sealer.seal(ask))
         now = time.monotonic()
         self._waiting[prefill.request_id] = _Fetch(prefill, wanted, now + self.wait_s)
         self._asked[prefill.request_id] = _Asked(len(wanted), now + self.timeout_s)

@@ -44,25 +44,30 @@ class PrefillWorker(EngineWorker):
 
     def _setup(self) -> None:
         host = self.spec.bind_host
-        self.transport = open_transport(self.spec)
+        self._embeddings_socket = self._ctx.socket(zmq.PULL)
+        self.kv_addr = (
+            f"tcp://{host}:{self._embeddings_socket.bind_to_random_port(f'tcp://{host}')}"
+        )
+        self.transport = open_transport(self.spec, self.kv_addr)
         self._routes: dict[str, _Route] = {}
         self.sender = TensorSender(
-            self.worker_id,
+            self.transport.worker_id,
             self.transport,
             self._ctx,
+            self.sealer,
             self._stop,
             self._async_errors,
             self._thread_failed,
             self._transfer_seconds.put,
             self.spec.transfer.fault_send_delay_s,
         )
-        self._embeddings_socket = self._ctx.socket(zmq.PULL)
-        self.kv_addr = (
-            f"tcp://{host}:{self._embeddings_socket.bind_to_random_port(f'tcp://{host}')}"
-        )
         self._poller.register(self._embeddings_socket, zmq.POLLIN)
         self.embeddings: TensorReceiver[msg.EmbeddingsHeader] = TensorReceiver(
-            self.worker_id, self.transport, self._stop, self._thread_failed, "image embeddings"
+            self.transport.worker_id,
+            self.transport,
+            self._stop,
+            self._thread_failed,
+            "image embeddings",
         )
         rows, hidden = self.engine.max_model_len, self.engine.model_config.hidden_size
         self._embeddings_slot = Slot((rows, hidden), None, free=0)
@@ -73,6 +78,7 @@ class PrefillWorker(EngineWorker):
                 self.worker_id,
                 self.kv_addr,
                 self._ctx,
+                self.sealer,
                 self.transport,
                 self.staged,
                 self.engine,
@@ -115,6 +121,7 @@ class PrefillWorker(EngineWorker):
                 prefill_only=True,
                 traffic_class=message.traffic_class,
                 images=images,
+                resumed=message.resumed,
             )
         except ValueError as exc:
             self._done(message.request_id)
@@ -131,7 +138,7 @@ class PrefillWorker(EngineWorker):
         """Another prefill worker's FetchBlocks: the leading blocks held here, or none."""
         store = self.staged.store if self.staged is not None else None
         kv = gather_prefix(self.engine, store, message.block_hashes)
-        header = peer_header(message.request_id, self.worker_id, kv)
+        header = peer_header(message.request_id, self.transport.worker_id, kv)
         outgoing = Outgoing(message.request_id, header, [] if kv is None else [kv], None)
         self.sender.send(message.requester, message.reply_addr, outgoing)
 
@@ -190,7 +197,7 @@ class PrefillWorker(EngineWorker):
         logprobs = None if prefilled.logprobs is None else wire_position(prefilled.logprobs, first)
         return msg.KvHeader(
             request_id=prefilled.request_id,
-            sender=self.worker_id,
+            sender=self.transport.worker_id,
             generation=generation,
             first_token=first,
             logprobs=logprobs,

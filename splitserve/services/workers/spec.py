@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from splitserve.config import ImagesConfig, KVStoreConfig, PrefixIndexConfig, TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.kvstore.transfer import StoreAddress
+from splitserve.services.sealing import Sealer
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class WorkerSpec:
     store: the KV transport's rendezvous store (None for colocated deployments).
     prefix_index / kv_store: the KV cache system its engine publishes to (prefill and colocated
     workers; None leaves it out). images: the deployment's image limits (vision workers).
+    sealer: the deployment's secret, which every message to and from the worker is sealed
+    with (services/sealing.py); a spec built without one gets a random secret of its own.
     """
 
     worker_id: str
@@ -34,3 +37,4 @@ class WorkerSpec:
     prefix_index: PrefixIndexConfig | None = None
     kv_store: KVStoreConfig | None = None
     images: ImagesConfig = field(default_factory=ImagesConfig)
+    sealer: Sealer = field(default_factory=Sealer)

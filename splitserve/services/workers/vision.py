@@ -51,10 +51,12 @@ class VisionWorker(Worker):
         )
 
     def _setup(self) -> None:
+        transport = open_transport(self.spec, self.request_addr)
         self.sender = TensorSender(
-            self.worker_id,
-            open_transport(self.spec),
+            transport.worker_id,
+            transport,
             self._ctx,
+            self.sealer,
             self._stop,
             self._async_errors,
             self._thread_failed,
@@ -100,7 +102,7 @@ class VisionWorker(Worker):
     ) -> msg.EmbeddingsHeader:
         dtype = str(embeddings.dtype).removeprefix("torch.")
         return msg.EmbeddingsHeader(
-            request_id, self.worker_id, generation, list(embeddings.shape), dtype
+            request_id, self.sender.worker_id, generation, list(embeddings.shape), dtype
         )
 
     def _embeddings(self, images: list[msg.ImageData]) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""MoE on one GPU: the grouped expert GEMM against a per-expert loop of cuBLAS calls, and
+transformers' decode rate on an MoE shape (the baseline that ``bench offline`` cannot load in
+the same process as the engine: two copies of Qwen3-30B-A3B's 61 GB do not fit one H200).
+
+    python3 benchmarks/gpu_moe.py gemm            # Qwen3-30B-A3B experts, 1 / 64 / 256 tokens
+    python3 benchmarks/gpu_moe.py hf --shape qwen3-30b-a3b --batch-sizes 1,64,256
+
+Each prints one JSON line and writes it to $OUT/moe-<mode>.json when OUT is set. ``gemm``
+checks the kernel against ``grouped_gemm_ref`` in bfloat16 (exits 1 on a mismatch) and
+reports each variant's time and the bandwidth of the expert weights it reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from splitserve.bench.report import git_commit  # noqa: E402
+from splitserve.engine.layers.moe import permute, route  # noqa: E402
+from splitserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref  # noqa: E402
+
+
+def _time_us(fn: Any, repeats: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats
+
+
+def cublas_loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, rows: Any) -> Any:
+    """The baseline: one F.linear (cuBLAS) per expert with rows, offsets read on the host."""
+    return grouped_gemm_ref(x, weight, offsets, rows)
+
+
+def gemm(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype, device=device) / inter**0.5
+    rows_out, ok = [], True
+    for count in tokens:
+        x = torch.randn(count, hidden, dtype=dtype, device=device)
+        routing = route(torch.randn(count, experts, device=device), top_k, True)
+        perm = permute(routing.experts, experts)
+        act = torch.randn(count * top_k, inter, dtype=dtype, device=device)
+        active = int((perm.counts > 0).sum())
+        row: dict[str, Any] = {"tokens": count, "active_experts": active}
+        for name, weight, inp, rows in (("gate_up", w13, x, perm.rows), ("down", w2, act, None)):
+            ours = grouped_gemm(inp, weight, perm.offsets, rows)
+            ref = cublas_loop(inp, weight, perm.offsets, rows)
+            err = float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+            ok &= err < 2e-2
+            kernel_us = _time_us(lambda: grouped_gemm(inp, weight, perm.offsets, rows))  # noqa: B023
+            loop_us = _time_us(lambda: cublas_loop(inp, weight, perm.offsets, rows))  # noqa: B023
+            read = active * weight[0].numel() * weight.element_size()
+            row[name] = {
+                "max_rel_err": err,
+                "grouped_us": kernel_us,
+                "cublas_loop_us": loop_us,
+                "grouped_gb_per_s": read / kernel_us / 1e3,
+                "cublas_loop_gb_per_s": read / loop_us / 1e3,
+            }
+        rows_out.append(row)
+    shape = {"experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter}
+    return {"mode": "gemm", "ok": ok, "shape": shape, "rows": rows_out}
+
+
+def hf(shape: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict[str, Any]:
+    from splitserve.bench.hf_baseline import hf_throughput, load_hf_model
+    from splitserve.bench.roofline import REFERENCE_CEILINGS, decode_step_bytes
+    from splitserve.engine.model_config import SHAPES
+
+    device = torch.device("cuda")
+    model = load_hf_model(f"shape:{shape}", device, torch.bfloat16)
+    cfg, bandwidth = SHAPES[shape], REFERENCE_CEILINGS[("H200", torch.bfloat16)]
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batch_sizes:
+        prompts = torch.randint(100, cfg.vocab_size, (batch, input_len), generator=generator)
+        stats = hf_throughput(model, prompts.tolist(), output_len, device)
+        context = input_len + output_len / 2
+        step_bytes = decode_step_bytes(cfg, 2, batch, round(context))
+        stats["mbu_decode_reference"] = (
+            step_bytes * stats["decode_tokens_per_s"] / batch / bandwidth.bandwidth_bytes_per_s
+        )
+        rows.append({"batch": batch} | stats)
+    return {"mode": "hf", "shape": shape, "input_len": input_len, "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["gemm", "hf"])
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    if args.mode == "gemm":
+        result = gemm(128, 8, 2048, 768, batches)
+    else:
+        result = hf(args.shape, batches, args.input_len, args.output_len)
+    result |= {"git_commit": git_commit(), "device": torch.cuda.get_device_name()}
+    line = json.dumps(result)
+    print(line)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"moe-{args.mode}.json").write_text(line + "\n")
+    return 0 if result.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

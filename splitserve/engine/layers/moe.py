@@ -1,0 +1,161 @@
+"""The mixture-of-experts MLP: router, token permutation, grouped expert GEMMs, combine.
+
+A step's T tokens each pick ``top_k`` experts (``route``); the T x top_k (token, expert) pairs
+are sorted by expert (``permute``), so that each expert's rows are one contiguous run; the
+gate|up GEMM of every expert runs as one grouped GEMM that gathers its rows straight from the
+tokens, then SiLU-and-mul, then the grouped down GEMM; ``combine`` puts the rows back in
+(token, slot) order and sums each token's top_k rows weighted by the router.
+
+On CUDA (and under ``set_kernels_on_cpu``) the grouped GEMM is the Triton kernel of
+``splitserve.kernels.grouped_gemm``; the CPU keeps the torch code below, one ``F.linear`` per
+expert that has rows. Nothing here reads a tensor back to the host on the kernel path, so a
+decode step of an MoE model is captured in a CUDA graph like a dense one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.linear import dense
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.model_config import MoEConfig
+from splitserve.kernels.dispatch import use_kernels
+
+if TYPE_CHECKING:
+    from splitserve.engine.expert_parallel import ExpertParallel
+
+
+@dataclass(frozen=True)
+class Routing:
+    weights: torch.Tensor
+    """[T, top_k] float32: each chosen expert's weight in the token's output."""
+    experts: torch.Tensor
+    """[T, top_k] int64: the chosen experts, most probable first."""
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """The (token, slot) pairs of a step sorted by expert (stable: token order within one)."""
+
+    order: torch.Tensor
+    """[T * top_k]: the flat (token * top_k + slot) index at each sorted position."""
+    rows: torch.Tensor
+    """[T * top_k]: the token each sorted position reads."""
+    offsets: torch.Tensor
+    """[E + 1]: expert e owns sorted positions [offsets[e], offsets[e + 1])."""
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """[E]: how many (token, slot) pairs went to each expert."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Softmax over the experts in float32, the top_k most probable; with ``renormalize`` the
+    chosen probabilities are rescaled to sum to one (as transformers' Mixtral and Qwen3-MoE)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights, experts)
+
+
+def permute(experts: torch.Tensor, num_experts: int) -> Permutation:
+    flat = experts.flatten()
+    sorted_experts, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_experts.dtype)
+    offsets = torch.searchsorted(sorted_experts, bounds)
+    return Permutation(order, order // experts.shape[1], offsets)
+
+
+def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T * top_k, H] rows, row i that of flat (token, slot) ``order[i]`` -> [T, H]: each
+    token's rows times their weights, summed in float32 over its slots, in slot order."""
+    tokens, top_k = weights.shape
+    unsorted = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    summed = (
+        unsorted.view(tokens, top_k, sorted_out.shape[-1]).float() * weights.unsqueeze(-1)
+    ).sum(dim=1)
+    return summed.to(sorted_out.dtype)
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row r of the result is x[rows[r]] (x[r] when rows is None) times weight[e].T for the
+    expert e whose [offsets[e], offsets[e + 1]) holds r; weight: [E, N, K]."""
+    if use_kernels(x):
+        from splitserve.kernels.grouped_gemm import grouped_gemm as kernel
+
+        return kernel(x, weight, offsets, rows)
+    gathered = x if rows is None else x[rows]
+    out = torch.empty((gathered.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+    bounds = offsets.tolist()
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            out[start:end] = F.linear(gathered[start:end], weight[expert])
+    return out
+
+
+def experts_forward(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing, perm: Permutation
+) -> torch.Tensor:
+    """The routed SwiGLU experts of tokens x [T, H]: w13 [E, 2I, H] (gate | up), w2 [E, H, I]."""
+    gate_up = grouped_gemm(x, w13, perm.offsets, perm.rows)
+    down = grouped_gemm(silu_and_mul(gate_up), w2, perm.offsets)
+    return combine(down, perm.order, routing.weights)
+
+
+class SparseMoE(nn.Module):
+    """A decoder layer's MoE MLP. Called like ``LlamaMLP``: (x, residual, norm) ->
+    (MLP of norm(x + residual), x + residual).
+
+    ``expert_load`` counts the (token, slot) pairs routed to each expert since it was last
+    zeroed (the engine's load counter reads it after each step)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, ep: ExpertParallel | None = None) -> None:
+        super().__init__()
+        self.moe, self.ep, self.hidden_size = moe, ep, hidden_size
+        experts, inter = (moe.num_experts if ep is None else ep.width), moe.intermediate_size
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden_size, inter))
+        # nn.Linear's default initialization, for random-weight shapes.
+        nn.init.uniform_(self.w13, -1 / math.sqrt(hidden_size), 1 / math.sqrt(hidden_size))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(inter), 1 / math.sqrt(inter))
+        self.expert_load: torch.Tensor
+        self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64), False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm.add_and_norm(x, residual)
+        return self.experts(h), residual
+
+    def experts(self, h: torch.Tensor) -> torch.Tensor:
+        """The MoE MLP of normed tokens h [T, H] (T may be 0 on an idle expert-parallel rank)."""
+        logits = dense(h, self.gate) if h.shape[0] else h.new_empty((0, self.moe.num_experts))
+        routing = route(logits, self.moe.top_k, self.moe.renormalize)
+        perm = permute(routing.experts, self.moe.num_experts)
+        self.expert_load += perm.counts
+        if self.ep is not None:
+            return self.ep.run(h, routing, self.w13, self.w2)
+        return experts_forward(h, self.w13, self.w2, routing, perm)
+
+    def idle(self) -> None:
+        """An expert-parallel rank with no tokens: its experts still serve the others'."""
+        self.experts(self.gate.weight.new_empty((0, self.hidden_size)))

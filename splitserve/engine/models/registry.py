@@ -1,0 +1,45 @@
+"""Which model class serves a checkpoint's architecture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.expert_parallel import ExpertParallel
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.mixtral import MixtralForCausalLM
+from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    return MODEL_CLASSES[cfg.architecture]
+
+
+def expert_parallel(config: EngineConfig, cfg: ModelConfig) -> dict[str, Any]:
+    """The model's keyword arguments for expert parallelism (none without it): this
+    process's rank of the default torch.distributed group, with the config's placement."""
+    if config.expert_parallel_size == 1:
+        return {}
+    import torch.distributed as dist
+
+    if cfg.moe is None:
+        raise ValueError("expert_parallel_size > 1 needs a mixture-of-experts model")
+    if not dist.is_initialized() or dist.get_world_size() != config.expert_parallel_size:
+        raise ValueError("expert parallelism needs torch.distributed initialized with its size")
+    rank, size = dist.get_rank(), config.expert_parallel_size
+    if config.expert_slots is None:
+        return {"ep": ExpertParallel.contiguous(rank, size, cfg.moe.num_experts)}
+    slots = torch.tensor(config.expert_slots)
+    shares = config.expert_shares or tuple(tuple(1.0 for _ in row) for row in config.expert_slots)
+    return {"ep": ExpertParallel(rank, size, slots, torch.tensor(shares, dtype=torch.float64))}

@@ -1,0 +1,31 @@
+"""Resuming a request that migrated: an earlier run on another worker produced some output
+tokens, streamed to the client, and then stopped (its worker died).
+
+The new run's prompt is the original prompt followed by those tokens, and ``resumed`` says how
+many of the prompt's last tokens they are. Sampling then goes on where the earlier run stopped:
+
+- greedy: the next token is the argmax after the same tokens, as it was;
+- a seeded request: its generator (seeded from params.seed) is advanced past one draw per
+  resumed token, exactly as the earlier run's sampler advanced it, so it draws what that run
+  would have drawn next ;
+- a constrained request: its grammar matcher is fed the resumed tokens, so that it is in the
+  state the earlier run's matcher was in.
+
+The caller (the API server) counts the resumed tokens against max_tokens and min_tokens.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler
+
+
+def resume(req: Request, resumed: int, vocab_size: int) -> None:
+    """Bring a new request's sampling state past its ``resumed`` output tokens; ValueError if
+    ``resumed`` is out of range or the tokens break its constraint."""
+    if not 0 <= resumed < req.num_prompt_tokens:
+        raise ValueError(f"resumed must be in [0, {req.num_prompt_tokens}), got {resumed}")
+    for token in req.prompt_token_ids[req.num_prompt_tokens - resumed :]:
+        Sampler.skip_draw(req, vocab_size)
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise ValueError(f"resumed token {token} breaks the request's constraint")

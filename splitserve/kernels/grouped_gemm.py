@@ -1,0 +1,134 @@
+"""The grouped expert GEMM of a mixture-of-experts layer.
+
+Rows arrive sorted by expert: expert ``e`` owns rows ``[offsets[e], offsets[e + 1])`` of the
+output, and row ``r`` reads activation row ``rows[r]`` (the token it came from: the gather of
+the token permutation is folded into the load) or row ``r`` itself when ``rows`` is None.
+Every row is multiplied by its expert's weight ``[N, K]`` (``weight`` is ``[E, N, K]``):
+``out[r] = x[rows[r]] @ weight[e].T``.
+
+One launch covers every expert. Each program takes one BLOCK_M tile of one expert's rows and
+one BLOCK_N tile of the output columns; the tile -> (expert, first row) table is computed on
+the device from the offsets (``tile_schedule``), sized for the worst case (every expert's last
+tile partly empty), so nothing is read back to the host and the launch can be captured in a
+CUDA graph. Programs past the real tiles return at once. Each weight tile is read by the
+programs of its expert only: at decode (a few rows per expert) the launch streams each
+routed expert's weight once, which is the bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from splitserve.kernels.decode_attention import dot_precision
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
+    N, K, num_experts, stride_x, stride_we, stride_wn, stride_out,
+    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= num_experts:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(offsets_ptr + expert + 1)
+    out_rows = start + tl.arange(0, BLOCK_M)
+    row_mask = out_rows < end
+    in_rows = tl.load(rows_ptr + out_rows, mask=row_mask, other=0) if GATHER else out_rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        a = tl.load(
+            x_ptr + in_rows.to(tl.int64)[:, None] * stride_x + kk[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + kk[:, None],
+            mask=col_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """[2, max_tiles] int32: each tile's expert and first row (expert ``E`` and the row count
+    past the real tiles).
+
+    offsets: [E + 1] row offsets of the experts (on the device; never read on the host)."""
+    num_experts = offsets.numel() - 1
+    counts = offsets[1:] - offsets[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(tiles, 0)
+    max_tiles = -(-num_rows // block_m) + num_experts
+    index = torch.arange(max_tiles, device=offsets.device, dtype=ends.dtype)
+    expert = torch.searchsorted(ends, index, right=True)
+    clamped = expert.clamp(max=num_experts - 1)
+    first_tile = ends[clamped] - tiles[clamped]
+    start = offsets[clamped] + (index - first_tile) * block_m
+    start = torch.where(expert < num_experts, start, offsets[-1])
+    return torch.stack([expert, start]).to(torch.int32)
+
+
+def choose_tiles(num_rows: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-row tiles when experts get a few rows each (decode),
+    64 when they get many (prefill)."""
+    block_m = 16 if num_rows <= 16 * num_experts else 64
+    return block_m, 64, 64
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [T, K]; weight: [E, N, K] (last dim contiguous); offsets: [E + 1] int; rows: [M]
+    source row of each output row (None: M = T, row r reads x[r]). Returns [M, N]."""
+    num_rows = x.shape[0] if rows is None else rows.numel()
+    num_experts, n, k = weight.shape
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    assert x.stride(1) == 1 and weight.stride(2) == 1, "last dimensions must be contiguous"
+    block_m, block_n, block_k = choose_tiles(num_rows, num_experts)
+    schedule = tile_schedule(offsets, num_rows, block_m)
+    grid = (schedule.shape[1], triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        x, x if rows is None else rows, weight, out, offsets, schedule[0], schedule[1],
+        n, k, num_experts, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        GATHER=rows is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(x.dtype),
+    )  # fmt: skip
+    return out
+
+
+def grouped_gemm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference, and the CPU path: one ``F.linear`` per expert that has rows (the
+    offsets are read on the host)."""
+    gathered = x if rows is None else x[rows]
+    out = torch.empty((gathered.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+    bounds = offsets.tolist()
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            out[start:end] = F.linear(gathered[start:end], weight[expert])
+    return out

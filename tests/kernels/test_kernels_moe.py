@@ -1,0 +1,64 @@
+"""The grouped expert GEMM against its torch reference, and the MoE layer on the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.layers.moe import SparseMoE
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.model_config import MoEConfig
+from splitserve.kernels.dispatch import set_kernels_on_cpu
+from splitserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref, tile_schedule
+
+# float32 dots are IEEE on the interpreter and the GPU; float16 results are rounded once.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def test_tile_schedule_maps_tiles_to_experts_and_first_rows() -> None:
+    # Expert rows: 0 none, 1 has 18 (two 16-row tiles), 2 has 3, 3 has 9, 4 none.
+    offsets = torch.tensor([0, 0, 18, 21, 30, 30])
+    schedule = tile_schedule(offsets, num_rows=30, block_m=16)
+    # ceil(30 / 16) + 5 experts = 7 tiles at most; the 4 real ones first, then expert 5 (none).
+    assert schedule.tolist() == [[1, 1, 2, 3, 5, 5, 5], [0, 16, 18, 21, 30, 30, 30]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gather", [True, False])
+def test_grouped_gemm_matches_reference(dtype: torch.dtype, gather: bool) -> None:
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 0, 18, 21, 30, 30])
+    weight = torch.randn(5, 70, 40, dtype=dtype) / 4
+    if gather:
+        x = torch.randn(11, 40, dtype=dtype)
+        rows = torch.randint(0, 11, (30,))
+    else:
+        x, rows = torch.randn(30, 40, dtype=dtype), None
+    out = grouped_gemm(x, weight, offsets, rows)
+    expected = grouped_gemm_ref(x, weight, offsets, rows)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_grouped_gemm_of_no_rows_is_empty() -> None:
+    out = grouped_gemm(torch.empty(0, 8), torch.randn(2, 4, 8), torch.tensor([0, 0, 0]))
+    assert out.shape == (0, 4)
+
+
+def test_sparse_moe_on_the_kernels_equals_the_torch_code() -> None:
+    torch.manual_seed(1)
+    moe = SparseMoE(32, MoEConfig(num_experts=6, top_k=2, intermediate_size=24, renormalize=False))
+    norm = RMSNorm(32, 1e-6)
+    x, residual = torch.randn(9, 32), torch.randn(9, 32)
+    with torch.no_grad():
+        expected, expected_sum = moe(x, residual, norm)
+        set_kernels_on_cpu(True)
+        try:
+            out, summed = moe(x, residual, norm)
+        finally:
+            set_kernels_on_cpu(False)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(summed, expected_sum, atol=1e-6, rtol=1e-6)
+    assert int(moe.expert_load.sum()) == 2 * 9 * 2

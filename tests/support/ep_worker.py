@@ -1,0 +1,49 @@
+"""One rank of an expert-parallel group in a test: an engine process of a Gloo group that
+generates its own prompts in lockstep with the other ranks (``engine/expert_parallel.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from splitserve import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.expert_parallel import any_unfinished, lockstep_step
+from splitserve.engine.llm_engine import LLMEngine
+
+
+def generate_in_group(
+    rank: int,
+    size: int,
+    port: int,
+    model: str,
+    prompts: list[list[list[int]]],
+    max_tokens: list[int],
+    placements: list[dict[str, Any]],
+    results: Any,
+) -> None:
+    """Rank ``rank`` greedily generates ``prompts[rank]`` (``max_tokens[rank]`` each) once
+    per placement (EngineConfig keys) and puts {placement index: token ids} on ``results``."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+        tokens: dict[int, list[list[int]]] = {}
+        params = SamplingParams(max_tokens=max_tokens[rank], temperature=0, ignore_eos=True)
+        for index, placement in enumerate(placements):
+            config = EngineConfig(
+                model=model, max_model_len=256, block_size=8, expert_parallel_size=size, **placement
+            )
+            engine = LLMEngine(config)
+            for i, prompt in enumerate(prompts[rank]):
+                engine.add_request(str(i), prompt, params)
+            done: dict[str, list[int]] = {}
+            while any_unfinished(engine, engine.runner.model.ep):
+                for output in lockstep_step(engine):
+                    if output.finished:
+                        done[output.request_id] = output.outputs[0].token_ids
+            tokens[index] = [done[str(i)] for i in range(len(prompts[rank]))]
+        results.put((rank, tokens))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""Chaos, short: 2 prefill + 2 decode workers serve streamed greedy requests while decode-0
+(with requests running) and then prefill-0 are killed with SIGKILL. Every request completes
+with the offline engine's greedy text, the requests on decode-0 migrated, and both workers
+are back in their pools (restarted by Ray). `make chaos` runs the full 200-request version
+(tests/support/chaos.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.llm import LLM
+from tests.support.chaos import SERVER_SETTINGS, Chaos, prompts, reference, summary
+from tests.support.server_process import serve, worker_metric
+
+pytestmark = pytest.mark.slow
+REQUESTS = 16
+MAX_TOKENS = 16
+CONCURRENCY = 4
+
+
+def test_killed_decode_and_prefill_workers_lose_no_request_and_come_back(
+    smollm2_llm: LLM,
+) -> None:
+    texts = prompts(REQUESTS)
+    expected = reference(smollm2_llm, texts, MAX_TOKENS)
+    with serve(*SERVER_SETTINGS) as server:
+        chaos = Chaos(server, texts, MAX_TOKENS, CONCURRENCY)
+        chaos.run()
+        migrated = worker_metric(server.url, "splitserve:request_migrations_total", "decode-0")
+        restarts = {
+            worker: worker_metric(server.url, "splitserve:worker_restarts_total", worker)
+            for worker in ("decode-0", "prefill-0")
+        }
+    assert [o.error for o in chaos.outcomes] == [None] * REQUESTS
+    assert [o.text for o in chaos.outcomes] == expected
+    assert [k.worker for k in chaos.kills] == ["decode-0", "prefill-0"]
+    assert migrated >= 1
+    assert restarts == {"decode-0": 1.0, "prefill-0": 1.0}
+    print(summary(chaos))

@@ -1,0 +1,86 @@
+"""EPLB placement on small loads with exact placements, traces, and the simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.eplb.placement import (
+    Placement,
+    balanced_packing,
+    imbalance,
+    rebalance,
+    replicate,
+    static_placement,
+    water_fill,
+)
+from splitserve.eplb.simulate import SimConfig, StepCosts, simulate
+from splitserve.eplb.traces import load_trace, save_trace, zipf_trace
+
+
+def test_balanced_packing_puts_the_heaviest_on_the_lightest_pack_with_room() -> None:
+    packs = balanced_packing(torch.tensor([5.0, 4, 3, 2, 1, 1]), 2)
+    # 5 -> p0, 4 -> p1, 3 -> p1 (7), 2 -> p0 (7), 1 -> p0 (tie: lower index), 1 -> p1 (p0 full)
+    assert packs == [[0, 3, 4], [1, 2, 5]]
+
+
+def test_replicate_gives_each_extra_slot_to_the_highest_load_per_copy() -> None:
+    assert replicate(torch.tensor([6.0, 3, 1]), 5).tolist() == [3, 1, 1]
+    with pytest.raises(ValueError, match="cannot hold"):
+        replicate(torch.tensor([1.0, 1, 1]), 2)
+
+
+def test_water_fill_raises_the_lowest_bins_to_one_level() -> None:
+    assert water_fill(torch.tensor([1.0, 3.0, 10.0]), 8.0).tolist() == [5.0, 3.0, 0.0]
+
+
+def test_rebalance_global_replicates_the_hot_expert_and_levels_its_copies() -> None:
+    load = torch.tensor([8.0, 1, 1, 2])
+    placement = rebalance(load, num_ranks=2, num_redundant=2, policy="global")
+    assert placement.slots.tolist() == [[0, 0, 2], [0, 3, 1]]
+    assert placement.shares.tolist() == [[0.3125, 0.3125, 1.0], [0.375, 1.0, 1.0]]
+    assert placement.rank_loads(load).tolist() == [6.0, 6.0]
+    assert placement.replicas(4).tolist() == [3, 1, 1, 1]
+
+
+def test_rebalance_hierarchical_keeps_each_group_in_its_node() -> None:
+    load = torch.tensor([8.0, 1, 1, 2, 1, 1, 1, 1])
+    placement = rebalance(load, num_ranks=4, num_redundant=4, num_groups=2, num_nodes=2)
+    assert placement.slots.tolist() == [[0, 0, 2], [0, 3, 1], [6, 4, 5], [7, 4, 5]]
+    assert placement.rank_loads(load).tolist() == [6.0, 6.0, 2.0, 2.0]
+    glob = rebalance(load, num_ranks=4, num_redundant=4, num_groups=2, num_nodes=2, policy="global")
+    assert imbalance(glob.rank_loads(load)) == 1.0
+
+
+def test_static_placement_and_uneven_slots_per_rank() -> None:
+    static = static_placement(4, 2)
+    assert static.slots.tolist() == [[0, 1], [2, 3]]
+    assert static.rank_loads(torch.tensor([3.0, 1, 1, 1])).tolist() == [4.0, 2.0]
+    # 4 experts + 1 copy on 2 ranks: one rank has 3 slots, the other 2 and an empty one.
+    placement = rebalance(torch.tensor([4.0, 2, 1, 1]), 2, 1, policy="global")
+    assert sorted((placement.slots >= 0).sum(dim=1).tolist()) == [2, 3]
+    assert isinstance(placement, Placement)
+    assert placement.rank_loads(torch.tensor([4.0, 2, 1, 1])).tolist() == [4.0, 4.0]
+
+
+def test_zipf_trace_counts_top_k_distinct_experts_per_token(tmp_path: Path) -> None:
+    trace = zipf_trace(16, 4, tokens_per_step=10, steps=3, layers=2, exponent=1.0, drift=0.5)
+    assert trace.shape == (3, 2, 16)
+    assert trace.sum(dim=2).tolist() == [[40, 40]] * 3
+    assert int(trace.max()) <= 10
+    save_trace(trace, tmp_path / "trace.json")
+    assert torch.equal(load_trace(tmp_path / "trace.json"), trace)
+
+
+def test_simulator_balances_a_skewed_trace() -> None:
+    trace = zipf_trace(32, 4, tokens_per_step=64, steps=40, layers=1, exponent=1.0)
+    result = simulate(
+        trace, SimConfig(num_ranks=8, num_redundant=8, interval_steps=20), StepCosts()
+    )
+    static, eplb = result["static"], result["eplb"]
+    assert isinstance(static, dict) and isinstance(eplb, dict)
+    assert static["interval_imbalance"] > 1.5
+    assert eplb["interval_imbalance"] < 1.15
+    assert eplb["moe_step_us"] < static["moe_step_us"]

@@ -1,0 +1,63 @@
+"""Expert parallelism on CPU: two engine processes of a Gloo group, each with its own
+requests, the tiny Mixtral's experts sharded over them (contiguously, and by an EPLB
+placement with replicated experts serving uneven shares and an empty slot), generate the
+same greedy tokens as one engine with every expert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from splitserve import LLM, SamplingParams
+from splitserve.eplb.placement import rebalance
+from tests.support.ep_worker import generate_in_group
+from tests.support.server_process import free_port
+from tests.support.tiny_models import tiny_model
+
+PROMPTS = [
+    [[11, 400, 23, 5000, 7], [901, 902, 903], [42] * 12],
+    [[31000, 17, 2]],
+]
+MAX_TOKENS = [12, 5]  # rank 1 runs out of work first and idles through the MoE exchanges
+
+
+def test_ep2_tokens_equal_ep1(smollm2_tokenizer: Any, tmp_path: Path) -> None:
+    _, path = tiny_model(
+        smollm2_tokenizer, tmp_path / "mixtral", "mixtral", seed=5, num_local_experts=8
+    )
+    llm = LLM(model=path, max_model_len=256, block_size=8)
+    expected = [
+        [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                prompts,
+                SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                use_tqdm=False,
+            )
+        ]
+        for prompts, n in zip(PROMPTS, MAX_TOKENS)
+    ]
+    placement = rebalance(torch.tensor([9.0, 1, 1, 3, 1, 1, 0.5, 0.5]), 2, 3, policy="global")
+    assert int((placement.slots < 0).sum()) == 1 and int(placement.replicas(8).max()) > 1
+    placements = [
+        {},
+        {
+            "expert_slots": tuple(map(tuple, placement.slots.tolist())),
+            "expert_shares": tuple(map(tuple, placement.shares.tolist())),
+        },
+    ]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    args = (2, free_port(), path, PROMPTS, MAX_TOKENS, placements, results)
+    workers = [context.Process(target=generate_in_group, args=(rank, *args)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    got = dict(results.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=30)
+        assert worker.exitcode == 0
+    for rank in range(2):
+        assert got[rank] == {0: expected[rank], 1: expected[rank]}
