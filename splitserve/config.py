@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.spec.config import SpeculativeConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 ROLES = ("both", "prefill", "decode", "vision")
@@ -25,7 +26,11 @@ TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
 ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 DAY_S = 24 * 3600.0
 # A pool's engine runs the deployment's model on the pool's device: its YAML cannot set them.
-ENGINE_SET_ELSEWHERE = {"model": "the deployment's `model`", "device": "the pool's `device`"}
+ENGINE_SET_ELSEWHERE = {
+    "model": "the deployment's `model`",
+    "device": "the pool's `device`",
+    "speculative": "the pool's `speculative`",
+}
 
 
 class ConfigError(ValueError):
@@ -72,9 +77,9 @@ class ServerConfig:
 class PoolConfig:
     """A set of identical workers. role: which stages of a request its workers run.
 
-    engine: every EngineConfig field but model and device, which DeployConfig fills in from
-    the deployment's model and this pool's device (so ``engine`` is the complete config a
-    replica's engine starts from).
+    engine: every EngineConfig field but model, device and speculative, which DeployConfig
+    fills in from the deployment's model and this pool's device and speculative section (so
+    ``engine`` is the complete config a replica's engine starts from).
     """
 
     role: str = "both"
@@ -87,9 +92,15 @@ class PoolConfig:
     engine: EngineConfig = field(
         default_factory=EngineConfig, metadata={"set_elsewhere": ENGINE_SET_ELSEWHERE}
     )
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding of a decode or colocated pool (vLLM's speculative_config keys)."""
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
+        _require(
+            self.speculative is None or self.role in ("both", "decode"),
+            f"speculative decoding runs on decode and colocated pools, not {self.role!r} ones",
+        )
         _require(self.replicas >= 1, "replicas must be at least 1")
         _require(self.devices >= 1, "devices must be at least 1")
         _require(self.num_cpus >= 0, "num_cpus must be non-negative")
@@ -257,7 +268,9 @@ class DeployConfig:
 
     def _complete(self, pool: PoolConfig) -> PoolConfig:
         """``pool`` with its engine's model and device set from the deployment and the pool."""
-        engine = dataclasses.replace(pool.engine, model=self.model, device=pool.device)
+        engine = dataclasses.replace(
+            pool.engine, model=self.model, device=pool.device, speculative=pool.speculative
+        )
         return dataclasses.replace(pool, engine=engine)
 
     @property

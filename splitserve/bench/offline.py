@@ -65,11 +65,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run a peer: compiled (static KV cache, torch.compile reduce-overhead)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    spec = parser.add_argument_group("speculative decoding (bench/speculative.py)")
+    spec.add_argument("--speculative", choices=["ngram", "draft_model"], default=None)
+    spec.add_argument("--num-speculative-tokens", type=int, default=4)
+    spec.add_argument("--draft-model", default=None, help="the draft_model method's draft")
+    spec.add_argument("--no-dynamic", action="store_true", help="always draft the most tokens")
+    spec.add_argument("--spec-workloads", default="grounded,free", help="grounded,free,random")
+    spec.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    spec.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-file", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.speculative:
+        from splitserve.bench.speculative import run_speculative
+
+        return run_speculative(args)
     result = benchmark(args)
     path = _result_path(args, result)
     path.parent.mkdir(parents=True, exist_ok=True)

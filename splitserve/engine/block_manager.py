@@ -143,13 +143,23 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Release req's blocks, tail first, so that prefixes outlive their suffixes."""
-        for block_id in reversed(req.block_table):
+        self._release(req.block_table)
+        req.block_table = []
+        req.num_committed_blocks = 0
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release req's tail blocks past those its first num_tokens tokens use: the slots of
+        rejected draft tokens (engine/spec/). Those blocks were never committed."""
+        keep = self.blocks_needed(num_tokens)
+        self._release(req.block_table[keep:])
+        del req.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        req.block_table = []
-        req.num_committed_blocks = 0
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.engine.spec.config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -32,6 +34,8 @@ class EngineConfig:
     """Prepare decode step N+1 while the device runs step N (engine/overlap.py); None: on
     CUDA only, where the host's work can hide behind the device's."""
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (engine/spec/, docs/speculative.md); None: off."""
     record_expert_load: bool = False
     expert_parallel_size: int = 1
     """MoE models: the experts are sharded over this many engine processes of one

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -13,6 +13,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import resolve_model
 from splitserve.engine.request import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.vision.chat_images import split_images
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.encoder import VisionEncoder
@@ -25,7 +26,17 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        speculative_config: Mapping[str, Any] | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """engine_args: EngineConfig's fields. speculative_config: vLLM's dict ("method",
+        "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+        "dynamic"; engine/spec/config.py)."""
+        if speculative_config is not None:
+            engine_args["speculative"] = SpeculativeConfig.from_dict(speculative_config)
         self._attach(LLMEngine(EngineConfig(model=model, **engine_args)))
 
     @classmethod

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.block_manager import BlockManager
@@ -31,6 +30,8 @@ from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
+from splitserve.engine.spec.speculator import build_speculator
+from splitserve.engine.stats import EngineStats, engine_stats
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images
 from splitserve.kvstore.hashing import hash_root
@@ -42,24 +43,6 @@ if TYPE_CHECKING:
     from splitserve.engine.structured.matcher import RequestGrammar
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    prompt_tokens_computed: int
-    prompt_tokens_cached: int
-    generation_tokens: int
-    num_preemptions: int
-    prompt_tokens_queried: int = 0
-    """Prompt tokens of admitted requests that looked up the prefix cache."""
-    cached_tokens_by_tier: dict[str, int] | None = None
-    """Tier (device, host, disk, remote: pulled from a peer) -> prompt tokens served from it."""
-    queued_prompt_tokens: int = 0
 
 
 class LLMEngine:
@@ -98,6 +81,7 @@ class LLMEngine:
             else None
         )
         self.sampler = Sampler(config.seed)
+        self.spec = build_speculator(config, self.model_config.vocab_size, self.max_model_len)
         self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
@@ -214,11 +198,11 @@ class LLMEngine:
         first token was sampled on another engine (engine/kv_handoff.py)."""
         self._register(req)
         self.sampler.skip_draw(req, self.model_config.vocab_size)
-        self._append(req, first)
+        self.append_token(req, first)
         if not req.is_finished:
             req.admitted = True
             self.scheduler.add(req)
-        return self._output(req)
+        return self.output(req)
 
     def abort_request(self, request_id: str) -> None:
         self.handoff.cancel(request_id)
@@ -226,6 +210,8 @@ class LLMEngine:
         self.detokenizers.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req)
+            if self.spec is not None:
+                self.spec.release(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -238,10 +224,16 @@ class LLMEngine:
         phases = self.phases
         phases.start()
         inflight, max_batch = self._inflight, self._overlap_batch
-        if inflight is not None and not can_continue(self.scheduler, inflight, max_batch):
+        spec, running = self.spec, self.scheduler.running
+        if inflight is not None and (
+            not can_continue(self.scheduler, inflight, max_batch)
+            or (spec is not None and any(spec.limits(running)))
+        ):
             self._inflight = None
             phases.lap("schedule")
             return self._read(inflight)
+        if spec is not None and inflight is None:
+            spec.propose(running)
         batch = self.scheduler.schedule()
         phases.lap("schedule")
         if batch.is_empty:
@@ -252,20 +244,32 @@ class LLMEngine:
             return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)
-        results = self.sampler(logits, [batch.requests[i] for i in sampled])
+        results = (
+            None if spec is not None else self.sampler(logits, [batch.requests[i] for i in sampled])
+        )
         phases.lap("forward")
         self._advance(batch)
+        if spec is not None:  # draft positions are sampled one by one: engine/spec/
+            outputs = spec.verify(self, batch, logits, sampled)
+        else:
+            assert results is not None
+            outputs = self._outputs(batch, sampled, results)
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
+        phases.lap("outputs")
+        return outputs
+
+    def _outputs(
+        self, batch: ScheduledBatch, sampled: list[int], results: list[SampleResult]
+    ) -> list[RequestOutput]:
         outputs = []
         for i, result in zip(sampled, results):
             req = batch.requests[i]
             if req.prefill_only:
-                outputs.append(self._hand_over(req, result))
+                outputs.append(self.hand_over(req, result))
                 continue
-            self._append(req, result)
-            outputs.append(self._output(req))
-        phases.lap("outputs")
+            self.append_token(req, result)
+            outputs.append(self.output(req))
         return outputs
 
     def _overlap(self, batch: ScheduledBatch, inflight: InflightStep | None) -> list[RequestOutput]:
@@ -289,7 +293,7 @@ class LLMEngine:
             self.phases.lap("mask")
         return outputs
 
-    def _hand_over(self, req: Request, result: SampleResult) -> RequestOutput:
+    def hand_over(self, req: Request, result: SampleResult) -> RequestOutput:
         """A prefill_only request sampled its first token: its KV is copied out for the
         decode side (``handoff.pop_prefilled``) and it leaves this engine."""
         self.handoff.hold(req, result)
@@ -309,8 +313,8 @@ class LLMEngine:
             if req.is_finished or self.requests.get(req.request_id) is not req:
                 continue  # it finished in the step before, or was aborted: drop the token
             req.num_pending -= 1
-            self._append(req, SampleResult(token), commit=True)
-            outputs.append(self._output(req))
+            self.append_token(req, SampleResult(token), commit=True)
+            outputs.append(self.output(req))
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
         self.phases.lap("outputs")
@@ -325,7 +329,7 @@ class LLMEngine:
             req.num_computed_tokens += num_new
             self.block_manager.commit(req)
 
-    def _append(self, req: Request, result: SampleResult, commit: bool = False) -> None:
+    def append_token(self, req: Request, result: SampleResult, commit: bool = False) -> None:
         """Append a sampled token and check the stop conditions. commit: publish the blocks
         this token completes (an overlapped step computed their KV before the token was known
         here)."""
@@ -358,6 +362,8 @@ class LLMEngine:
             if stop_string is None:
                 detok.flush()
             self.scheduler.finish(req)
+            if self.spec is not None:
+                self.spec.release(req)
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
         """Feed the token to the request's matcher; True once nothing more may follow (done,
@@ -368,7 +374,7 @@ class LLMEngine:
             return True
         return req.grammar.is_terminated
 
-    def _output(self, req: Request) -> RequestOutput:
+    def output(self, req: Request) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
         req.output_text = detok.visible_text(req.is_finished)
         output = req.to_output()
@@ -378,21 +384,7 @@ class LLMEngine:
         return output
 
     def stats(self) -> EngineStats:
-        free, total = self.block_manager.num_free_blocks, self.block_manager.num_blocks
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=free,
-            num_total_blocks=total,
-            kv_usage=1.0 - free / total,
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            prompt_tokens_cached=self.scheduler.prompt_tokens_cached,
-            generation_tokens=self.generation_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_queried=self.scheduler.prompt_tokens_queried,
-            cached_tokens_by_tier=dict(self.scheduler.cached_tokens_by_tier),
-            queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
-        )
+        return engine_stats(self)
 
 
 def _max_model_len(config: EngineConfig, max_positions: int, window: int | None) -> int:

@@ -80,8 +80,12 @@ class ModelRunner:
         )
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.device(self.device):
+            # Random weights (shape:) drawn from the config's seed: a draft model of the same
+            # shape is the target itself (engine/spec/draft_model.py).
+            with torch.random.fork_rng(devices), torch.device(self.device):
+                torch.manual_seed(self.config.seed)
                 model = model_class(cfg)(cfg, backend, **expert_parallel(self.config, cfg))
         finally:
             torch.set_default_dtype(previous)
@@ -163,7 +167,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Runs one step; returns logits of the requests that sample and their batch indices."""
+        """Runs one step; returns logits of the requests that sample and their batch indices.
+        A request with draft tokens has 1 + len(drafts) rows of logits, in position order."""
         if self.graphs is not None and self.graphs.fits(batch) and not _has_images(batch):
             return self.graphs.run(batch)
         image_segments: list[tuple[int, Request, int, int]] = []
@@ -221,7 +226,9 @@ class ModelRunner:
             row = len(ids)
             if req.images and touches_images(req, start, end):
                 image_segments.append((row, req, start, end))
-            ids.extend(req.all_token_ids[start:end])
+            drafts = req.draft_token_ids  # a verify step: every draft position is sampled
+            tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
+            ids.extend(tokens[start:end])
             pos.extend(range(start, end))
             table = req.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -231,8 +238,8 @@ class ModelRunner:
             else:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long)
                 prefills.append(PrefillSegment(row, num_new, end, blocks.to(self.device)))
-            if end == req.num_tokens:
-                sample_rows.append(row + num_new - 1)
+            if end == req.num_tokens + len(drafts):
+                sample_rows.extend(range(row + num_new - 1 - len(drafts), row + num_new))
                 sampled.append(i)
         width = max((len(t) for t in decode_tables), default=0)
         if self.device.type == "cuda" and decode_tables:

@@ -82,6 +82,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_pending = 0
         """Tokens sampled on the device that the host has not read yet (engine/overlap.py)."""
+        self.draft_token_ids: list[int] = []
+        """Speculative tokens to verify in this step after the last token (engine/spec/);
+        never part of the sequence until accepted."""
         self.num_cached_tokens = 0
         self.admitted = False
         self.prefill_only = False

@@ -1,8 +1,9 @@
 """Continuous batching with chunked prefill under one token budget per step.
 
-Running requests go first (a decode costs one token, an unfinished prefill takes what the
-budget leaves), then waiting requests are admitted in arrival order. When the KV pool runs out,
-the newest running request is preempted: its blocks are freed and it is recomputed later.
+Running requests go first (a decode costs one token, or one plus its draft tokens when it
+speculates; an unfinished prefill takes what the budget leaves), then waiting requests are
+admitted in arrival order. When the KV pool runs out, the newest running request is
+preempted: its blocks are freed and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit_drafts(req, budget)
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -72,6 +73,17 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _fit_drafts(self, req: Request, budget: int) -> int:
+        """req's tokens this step: its drafts (engine/spec/) only where the budget and free
+        blocks allow them; speculation never preempts anyone."""
+        drafts = req.draft_token_ids
+        num_new = min(req.num_tokens - req.num_computed_tokens + len(drafts), budget)
+        del drafts[max(num_new - 1, 0) :]
+        if drafts and not self.block_manager.allocate_slots(req, num_new):
+            num_new -= len(drafts)
+            drafts.clear()
+        return num_new
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -134,6 +146,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
+        req.draft_token_ids.clear()
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

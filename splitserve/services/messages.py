@@ -257,6 +257,12 @@ class WorkerStats:
     hash_root: int = 0
     """The start of the worker's block hash chains (kvstore/hashing.py: hash_root; 0 for a
     vision worker, which hashes no blocks)."""
+    spec_num_drafts: int = 0
+    """Speculative decoding since start (engine/spec/): request-steps that verified drafts,
+    draft tokens verified, those accepted, and accepted ones by draft position."""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

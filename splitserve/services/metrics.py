@@ -138,6 +138,20 @@ class Metrics:
             ("phase",),
         )
         self.worker_loop_steps = counter("worker_loop_steps", "Engine steps a worker took")
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative steps of a request (drafts verified)"
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified"
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted"
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first)",
+            ("position",),
+        )
         self.images_encoded = counter("images_encoded", "Images a vision worker ran its encoder on")
         self.encoder_cache_hits = counter(
             "encoder_cache_hits", "Images a vision worker took from its encoder cache"
@@ -176,10 +190,35 @@ class Metrics:
         self.prefix_cache_hits.labels(*key, "disk").inc(disk)
         self.prefix_cache_hits.labels(*key, "remote").inc(remote)
         self.worker_loop_steps.labels(*key).inc(max(stats.loop_steps - before.loop_steps, 0))
+        self._observe_spec(key, stats, before)
         earlier = {p.phase: p.seconds for p in before.loop_phases}
         for phase in stats.loop_phases:
             grown = max(phase.seconds - earlier.get(phase.phase, 0.0), 0.0)
             self.worker_loop_seconds.labels(*key, phase.phase).inc(grown)
+
+    def _observe_spec(
+        self, key: tuple[str, str, str], stats: WorkerStats, before: WorkerStats
+    ) -> None:
+        for metric, now, then in (
+            (self.spec_decode_num_drafts, stats.spec_num_drafts, before.spec_num_drafts),
+            (
+                self.spec_decode_num_draft_tokens,
+                stats.spec_num_draft_tokens,
+                before.spec_num_draft_tokens,
+            ),
+            (
+                self.spec_decode_num_accepted_tokens,
+                stats.spec_num_accepted_tokens,
+                before.spec_num_accepted_tokens,
+            ),
+        ):
+            if now or then:
+                metric.labels(*key).inc(max(now - then, 0))
+        earlier = before.spec_accepted_per_pos
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            grown = count - (earlier[pos] if pos < len(earlier) else 0)
+            per_pos = self.spec_decode_num_accepted_tokens_per_pos
+            per_pos.labels(*key, str(pos)).inc(max(grown, 0))
 
     def observe_vision_stats(
         self, pool: str, stats: WorkerStats, previous: WorkerStats | None

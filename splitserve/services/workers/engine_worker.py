@@ -192,6 +192,10 @@ class EngineWorker(Worker):
             loop_phases=self._loop_phases(),
             loop_steps=self.engine.num_steps,
             hash_root=self.engine.block_manager.root,
+            spec_num_drafts=s.spec_num_drafts,
+            spec_num_draft_tokens=s.spec_num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+            spec_accepted_per_pos=s.spec_accepted_per_pos,
         )
 
     def _loop_phases(self) -> list[msg.PhaseSeconds]:

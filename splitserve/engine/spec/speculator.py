@@ -1,0 +1,206 @@
+"""Speculative decoding in the engine: drafts before a step, verification after it.
+
+Before a synchronous step, ``propose`` gives each decoding request a number of draft tokens
+(engine/spec/dynamic.py) and asks the drafter for them; they sit in ``req.draft_token_ids``,
+which the scheduler counts in the request's tokens and the model runner lays out after its
+last token, returning logits at every one of those positions. ``verify`` then walks each
+request's positions in order: it samples position j exactly as a step without speculation
+would (the same sampler, grammar mask, penalties and logprobs, the request's state advanced
+by the tokens kept so far), appends the token through the engine (stops, max_tokens and the
+grammar see one token at a time), and goes on only while the token equals draft j.
+
+That is rejection sampling for a point-mass draft distribution: draft d is kept with
+probability p(d), and when it is not, the token drawn is distributed as p without d,
+renormalized, which is the residual max(0, p - q) for q = one-hot(d). So greedy output is the
+output without speculation, and sampled output has the target's distribution exactly (a
+seeded request even draws the same tokens: one draw per token kept, as without drafts).
+
+Rejected drafts' KV is rolled back: the request's computed tokens end before its newest
+token, and its tail blocks past them go back to the pool (``BlockManager.trim``); a draft
+model rolls its own KV back the same way when it next proposes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.request import Request, RequestOutput
+from splitserve.engine.sampler import SampleResult, greedy_tokens, plain_greedy
+from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.spec.config import SpeculativeConfig
+from splitserve.engine.spec.drafter import Drafter
+from splitserve.engine.spec.dynamic import Acceptance, StepCost, plan_drafts
+from splitserve.engine.spec.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from splitserve.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec_decode counters: drafts (request-steps that verified drafts), draft
+    tokens, accepted tokens, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step of a request: accepted drafts plus the one sampled."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.max_model_len = max_model_len
+        self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.cost = StepCost()
+        self.acceptance: dict[str, Acceptance] = {}
+        self._started = 0.0
+
+    def limits(self, reqs: list[Request]) -> list[int]:
+        """The most draft tokens each request may verify in the next step."""
+        k = self.config.num_speculative_tokens
+        if self.config.dynamic:
+            rates = [self._acceptance(r).rate for r in reqs]
+            planned = plan_drafts(rates, k, self.cost, self.drafter.passes)
+        else:
+            planned = [k] * len(reqs)
+        return [min(n, self._room(r)) for n, r in zip(planned, reqs)]
+
+    def propose(self, running: list[Request]) -> None:
+        """Draft tokens for the running requests that decode next; starts the step's clock."""
+        self._started = time.perf_counter()
+        for req in running:  # drafts of a request the last step had no budget for
+            req.draft_token_ids = []
+        reqs = [r for r in running if _decoding(r)]
+        limits = self.limits(reqs)
+        asked = [(r, n) for r, n in zip(reqs, limits) if n > 0]
+        drafts = self.drafter.propose([r for r, _ in asked], [n for _, n in asked])
+        for req, draft in zip([r for r, _ in asked], drafts):
+            req.draft_token_ids = draft
+        for req, n in zip(reqs, limits):
+            if n == 0 and req.request_id in self.acceptance:
+                self.acceptance[req.request_id].idle()
+
+    def verify(
+        self, engine: LLMEngine, batch: ScheduledBatch, logits: torch.Tensor, sampled: list[int]
+    ) -> list[RequestOutput]:
+        """Sample, accept and append the step's tokens (``_walk``), then roll back each
+        request's rejected positions and record the step."""
+        reqs = [batch.requests[i] for i in sampled]
+        drafts = [r.draft_token_ids for r in reqs]
+        outputs, kept = self._walk(engine, reqs, logits)
+        for req, draft, num_kept in zip(reqs, drafts, kept):
+            req.draft_token_ids = []
+            if draft:
+                self._record(req, len(draft), num_kept)
+            if not req.is_finished and not req.prefill_only:
+                req.num_computed_tokens = req.num_tokens - 1
+                engine.block_manager.commit(req)
+                engine.block_manager.trim(req, req.num_computed_tokens)
+        passes = self.drafter.passes([len(d) for d in drafts])
+        seconds = time.perf_counter() - self._started
+        self.cost.record(sum(batch.num_new_tokens), passes, seconds)
+        return outputs
+
+    def release(self, req: Request) -> None:
+        self.acceptance.pop(req.request_id, None)
+        self.drafter.release(req)
+
+    def _walk(
+        self, engine: LLMEngine, reqs: list[Request], logits: torch.Tensor
+    ) -> tuple[list[RequestOutput], list[int]]:
+        """Position by position over the requests still going: sample, append, stop at the
+        first token that differs from its draft (or that finishes the request). Returns the
+        outputs and each request's drafts kept."""
+        offsets = [0]
+        for req in reqs:
+            offsets.append(offsets[-1] + 1 + len(req.draft_token_ids))
+        greedy = None
+        if all(plain_greedy(r) and r.grammar is None for r in reqs):
+            greedy = greedy_tokens(logits).tolist()  # one argmax for every position
+        kept = [0] * len(reqs)
+        going = list(range(len(reqs)))
+        outputs: dict[int, RequestOutput] = {}
+        position = 0
+        while going:
+            rows = [offsets[i] + position for i in going]
+            if greedy is not None:
+                results = [SampleResult(greedy[row]) for row in rows]
+            else:
+                results = engine.sampler(logits[rows], [reqs[i] for i in going])
+            still = []
+            for i, result in zip(going, results):
+                req = reqs[i]
+                if req.prefill_only:
+                    outputs[i] = engine.hand_over(req, result)
+                    continue
+                draft = req.draft_token_ids
+                engine.append_token(req, result)
+                if position < len(draft) and result.token_id == draft[position]:
+                    kept[i] += 1
+                    if not req.is_finished:
+                        still.append(i)
+                        continue
+                outputs[i] = engine.output(req)
+            going = still
+            position += 1
+        return [outputs[i] for i in sorted(outputs)], kept
+
+    def _record(self, req: Request, num_drafts: int, num_kept: int) -> None:
+        self.counters.record(num_drafts, num_kept)
+        self._acceptance(req).record(num_drafts, num_kept)
+
+    def _acceptance(self, req: Request) -> Acceptance:
+        return self.acceptance.setdefault(req.request_id, Acceptance())
+
+    def _room(self, req: Request) -> int:
+        """Drafts that cannot overrun max_tokens or the context: one token always follows."""
+        room = self.max_model_len - req.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(room, 0)
+
+
+def _decoding(req: Request) -> bool:
+    """Every token but the last has KV and the host knows them all: a draft can follow."""
+    return (
+        req.num_computed_tokens + 1 == req.num_tokens
+        and not req.num_pending
+        and not req.prefill_only
+        and not req.is_finished
+    )
+
+
+def build_speculator(
+    config: EngineConfig, vocab_size: int, max_model_len: int
+) -> Speculator | None:
+    """The speculator of config.speculative (None: speculation off)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    drafter: Drafter
+    if spec.method == "ngram":
+        drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        from splitserve.engine.spec.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(config, vocab_size, max_model_len)
+    return Speculator(spec, drafter, max_model_len)
