@@ -82,13 +82,15 @@ def test_pool_engine_overrides_reach_the_engine_config_of_that_pool_only() -> No
     assert (prefill.cuda_graph_max_batch, prefill.overlap_scheduling) == (512, None)
 
 
-def test_a_pool_engine_takes_every_engine_config_field_but_model_and_device(
+def test_a_pool_engine_takes_every_engine_config_field_but_those_set_elsewhere(
     tmp_path: Path,
 ) -> None:
+    """model and device come from the deployment and the pool; speculative from the pool's
+    own ``speculative`` section."""
     settable = {
         f.name: getattr(EngineConfig(), f.name)
         for f in dataclasses.fields(EngineConfig)
-        if f.name not in ("model", "device")
+        if f.name not in ("model", "device", "speculative")
     }
     assert {"cuda_graph_max_batch", "overlap_scheduling", "seed"} <= set(settable)
     path = tmp_path / "deploy.yaml"
