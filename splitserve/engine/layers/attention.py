@@ -70,13 +70,20 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention from the fused projection qkv [T, (H + 2 * Hkv) * D] before rotary."""
+        q, k, v = self.rotated_qkv(qkv, positions, rotary)
+        return self.forward(q, k, v, k_cache, v_cache, meta)
+
+    def rotated_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (H + 2 * Hkv) * D] -> q [T, H, D] and k [T, Hkv, D] rotated, v [T, Hkv, D]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        return self.forward(q, k, v, k_cache, v_cache, meta)
+        return q, k, v
 
 
 class TorchAttention(AttentionBackend):
@@ -103,12 +110,7 @@ class TorchAttention(AttentionBackend):
             self.num_heads, self.scale, out[:n],
         )  # fmt: skip
         if qkv.shape[0] > n:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = qkv[n:].split([q_size, kv_size, kv_size], dim=-1)
-            q = q.reshape(-1, self.num_heads, self.head_dim)
-            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            q, k = rotary(positions[n:], q, k)
+            q, k, v = self.rotated_qkv(qkv[n:], positions[n:], rotary)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping[n:])
             for seg in meta.prefills:
                 rows = slice(seg.start - n, seg.start - n + seg.length)
