@@ -25,12 +25,9 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/splitserve serve
 
+# The linters and tests/kernels (single-threaded) run beside the rest of the suite.
 test: install
-	$(VENV)/bin/ruff check splitserve tests benchmarks tools
-	$(VENV)/bin/ruff format --check splitserve tests benchmarks tools
-	$(VENV)/bin/mypy
-	$(PY) tools/check_layout.py splitserve
-	$(VENV)/bin/pytest -q -ra
+	VENV=$(VENV) bash tools/test.sh
 
 lint: install
 	$(VENV)/bin/ruff check splitserve tests benchmarks tools

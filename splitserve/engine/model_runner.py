@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
@@ -84,7 +86,8 @@ class ModelRunner:
         try:
             # Random weights (shape:) drawn from the config's seed: a draft model of the same
             # shape is the target itself (engine/spec/draft_model.py).
-            with torch.random.fork_rng(devices), torch.device(self.device):
+            loaded = nullcontext() if weights_path is None else _uninitialized_parameters()
+            with torch.random.fork_rng(devices), torch.device(self.device), loaded:
                 torch.manual_seed(self.config.seed)
                 model = model_class(cfg)(cfg, backend, **expert_parallel(self.config, cfg))
         finally:
@@ -282,3 +285,21 @@ def _has_images(batch: ScheduledBatch) -> bool:
 
 def _pad(tables: list[list[int]], width: int) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
+
+
+_RANDOM_INITS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_")
+
+
+@contextmanager
+def _uninitialized_parameters() -> Iterator[None]:
+    """Modules built inside keep their parameters as allocated, without the random draws of
+    their default init (about a second for SmolLM2 on a CPU): a checkpoint then overwrites
+    every parameter, and load_weights raises for any it does not fill."""
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    for name in _RANDOM_INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
