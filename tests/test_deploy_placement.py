@@ -87,7 +87,7 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
             assert info["request_addr"].startswith(f"tcp://{host}:")
         assert sorted(w["worker_id"] for w in deployment.workers) == sorted(placed)
         deployment.remove_replica("decode-1")
-        deployment.add_replicas("decode", 1)
+        deployment.add_replicas({"decode": 1})
         assert actor_node(deployment.replicas["decode-2"].actor) == nodes["decode"]
     finally:
         deployment.stop()

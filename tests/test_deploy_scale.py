@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.load import Load
 from tests.support.server_process import REPO, ServerProcess, serve
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,12 @@ def request_log(server: ServerProcess) -> list[dict[str, Any]]:
     return [json.loads(line[len(prefix) :]) for line in server.lines if line.startswith(prefix)]
 
 
+def workers_served(server: ServerProcess) -> tuple[set[str], set[str]]:
+    """The prefill and the decode workers that the request log names."""
+    log = request_log(server)
+    return {e["prefill_worker"] for e in log}, {e["decode_worker"] for e in log}
+
+
 def test_scale_prefill_and_decode_up_and_down_under_load_loses_no_request() -> None:
     with serve() as server, Load(server.url) as load:
         bad = httpx.post(f"{server.url}/admin/scale", json={"replicas": {"vision": 1}})
@@ -46,10 +53,16 @@ def test_scale_prefill_and_decode_up_and_down_under_load_loses_no_request() -> N
             'prefill (prefill): 2 ["prefill-0", "prefill-1"]\n'
             'decode (decode): 2 ["decode-0", "decode-1"]\n'
         )
-        load.wait_finished(24)
-        served = {(e["prefill_worker"], e["decode_worker"]) for e in request_log(server)}
-        assert {p for p, _ in served} == {"prefill-0", "prefill-1"}
-        assert {d for _, d in served} == {"decode-0", "decode-1"}
+        # Until the new workers have served: every prefill and decode worker of the 2P2D
+        # deployment appears in the request log (all of them finished with "length").
+        wait_for(
+            lambda: (
+                workers_served(server) == ({"prefill-0", "prefill-1"}, {"decode-0", "decode-1"})
+            ),
+            120,
+            interval=0.2,
+            message=lambda: f"both new workers serving: {workers_served(server)}",
+        )
         out = scale(server, "--prefill", "1", "--decode", "1")
         assert pools(server) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
         before = len(load.finished)

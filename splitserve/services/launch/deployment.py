@@ -103,10 +103,10 @@ class Deployment:
         # their engines side by side instead of one pool after the other.
         self._start([self._place(n) for n, p in config.pools.items() for _ in range(p.replicas)])
 
-    def add_replicas(self, name: str, count: int) -> list[dict[str, Any]]:
-        """Place and start ``count`` new replicas of pool ``name``; returns (and keeps) their
-        WorkerInfo dicts."""
-        return self._start([self._place(name) for _ in range(count)])
+    def add_replicas(self, counts: Mapping[str, int]) -> list[dict[str, Any]]:
+        """Place and start ``counts[name]`` new replicas of each pool, all started together;
+        returns (and keeps) their WorkerInfo dicts."""
+        return self._start([self._place(n) for n, count in counts.items() for _ in range(count)])
 
     def _start(self, started: list[Replica]) -> list[dict[str, Any]]:
         """Start placed replicas and wait for all of them; on a failure, remove them all."""

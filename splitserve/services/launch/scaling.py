@@ -60,18 +60,20 @@ class Scaler:
         """Bring each named pool to its number of replicas; returns the pools afterwards."""
         targets = self.resolve(replicas)
         async with self._lock:
+            current = {name: self.client.worker_ids(name) for name in targets}
+            # The new replicas of every growing pool start side by side, as at deployment.
+            growth = {n: t - len(current[n]) for n, t in targets.items() if t > len(current[n])}
+            if growth:
+                await self._grow(growth)
             for name, target in targets.items():
-                current = self.client.worker_ids(name)
-                if target > len(current):
-                    await self._grow(name, target - len(current))
-                for worker_id in reversed(current[target:]):
+                for worker_id in reversed(current[name][target:]):
                     await self.client.drain(worker_id)
                     await asyncio.to_thread(self.deployment.remove_replica, worker_id)
         return self.pools()
 
-    async def _grow(self, name: str, count: int) -> None:
+    async def _grow(self, counts: Mapping[str, int]) -> None:
         try:
-            infos = await asyncio.to_thread(self.deployment.add_replicas, name, count)
+            infos = await asyncio.to_thread(self.deployment.add_replicas, counts)
         except WorkerStartError as exc:
             raise ScaleFailed(str(exc)) from exc
         for w in infos:
