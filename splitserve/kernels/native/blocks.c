@@ -46,9 +46,7 @@ static float block_scale(const uint8_t *block, int offset) {
     return half_to_float(h);
 }
 
-int splitserve_block_bytes(int qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : -1;
-}
+int splitserve_block_bytes(int qtype) { return block_bytes(qtype); }
 
 /* One block -> 32 floats, exactly as gguf's numpy dequantize computes them. */
 static void dequant_block(int qtype, const uint8_t *b, float *w) {

@@ -6,6 +6,9 @@
 #define QK 32
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
+static inline int block_bytes(int qtype) {
+    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : -1;
+}
 int splitserve_block_bytes(int qtype);
 
 /* The AVX-512 path (blocks_avx512.c): whether this CPU runs it, and outputs [n0, n1) of
