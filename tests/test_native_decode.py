@@ -8,7 +8,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
-from splitserve.kernels.native.blocks import native_available
+from splitserve.kernels.native.blocks import native_available, set_native_isa
 
 pytestmark = [
     pytest.mark.skipif(not native_available(), reason="no C compiler here"),
@@ -25,16 +25,20 @@ def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     ]
 
 
-def test_native_stack_equals_the_module_path_exactly(smollm2_llm: LLM) -> None:
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_native_stack_equals_the_module_path_exactly(smollm2_llm: LLM, isa: str | None) -> None:
+    # With the products capped at AVX2 (on an AVX-512 CPU), the stack must take the cap too.
     model = smollm2_llm.engine.runner.model
     fast = model.native_decode
     assert fast is not None
-    with_stack = _run(smollm2_llm)
-    model.native_decode = None
+    set_native_isa(isa)
     try:
+        with_stack = _run(smollm2_llm)
+        model.native_decode = None
         with_modules = _run(smollm2_llm)
     finally:
         model.native_decode = fast
+        set_native_isa(None)
     assert with_stack == with_modules
 
 

@@ -15,13 +15,17 @@ from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels.native import build
 from splitserve.kernels.native import decode as native
 from splitserve.kernels.native.blocks import (
+    ISAS,
     Q4_0,
     Q4_1,
     Q8_0,
+    best_isa,
     block_matmul,
     dequantize_ref,
     dequantize_rows,
     native_available,
+    native_isa,
+    set_native_isa,
 )
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler here")
@@ -46,16 +50,51 @@ def test_dequantize_ref_is_bit_identical_to_gguf_numpy(qtype: int) -> None:
 
 @pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
-@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("isa", ISAS)
 def test_block_matmul_equals_the_product_with_the_dequantized_weight(
-    qtype: int, rows: int, simd: bool
+    qtype: int, rows: int, isa: str
 ) -> None:
     blocks, reference = _blocks(qtype, 40, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    out = block_matmul(x, blocks, qtype, simd=simd)
+    out = block_matmul(x, blocks, qtype, isa)
     expected = x.double() @ torch.from_numpy(reference).double().T
     assert out.shape == (rows, 40)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(best_isa() < ISAS.index("avx512"), reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+def test_avx512_products_see_the_same_weights_as_avx2_and_portable(qtype: int) -> None:
+    # One-hot rows of x pick single weights out of the product: every path must return the
+    # dequantized weights bit for bit (only sums of several products may differ in order).
+    blocks, reference = _blocks(qtype, 37, 224, seed=3)
+    picks = torch.eye(224)[[0, 1, 15, 16, 17, 31, 32, 100, 223]]
+    for isa in ISAS:
+        for rows in (1, 2, 3, 9):
+            out = block_matmul(picks[:rows].contiguous(), blocks, qtype, isa)
+            assert torch.equal(out, torch.from_numpy(reference)[:, picks[:rows].argmax(1)].T)
+    x = torch.randn(13, 224, generator=torch.Generator().manual_seed(5))
+    by_isa = {isa: block_matmul(x, blocks, qtype, isa) for isa in ISAS}
+    torch.testing.assert_close(by_isa["avx512"], by_isa["avx2"], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(by_isa["avx512"], by_isa["portable"], rtol=1e-5, atol=2e-5)
+
+
+def test_native_isa_is_capped_by_the_setting_and_by_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SPLITSERVE_NATIVE_ISA", raising=False)
+    try:
+        set_native_isa(None)
+        assert native_isa() == ISAS[best_isa()]
+        set_native_isa("portable")
+        assert native_isa() == "portable"
+        monkeypatch.setenv("SPLITSERVE_NATIVE_ISA", "avx2")
+        set_native_isa(None)
+        assert native_isa() == ISAS[min(1, best_isa())]
+        with pytest.raises(ValueError, match="one of portable, avx2, avx512"):
+            set_native_isa("sse2")
+    finally:
+        set_native_isa(None)
 
 
 def test_block_matmul_refuses_a_mismatched_input() -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from splitserve.engine.layers.attention import AttentionMetadata, TorchAttention
 from splitserve.engine.layers.block_linear import BlockLinear
 from splitserve.kernels.native import decode as native
+from splitserve.kernels.native.blocks import ISAS, native_isa
 from splitserve.kernels.native.build import load
 
 
@@ -104,7 +105,7 @@ class NativeDecode:
             self._types.data_ptr(), self._dims.data_ptr(), self.eps, self.scale,
             ints[0].data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
             ints[1].data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            scratch.data_ptr(),
+            scratch.data_ptr(), ISAS.index(native_isa()),
         )  # fmt: skip
         if code != 0:
             raise RuntimeError(f"splitserve_decode_layers failed ({code})")

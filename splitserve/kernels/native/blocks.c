@@ -11,15 +11,15 @@
  *
  * out[m, n] = sum_k x[m, k] * w[n, k]. Threads (OpenMP, the runtime torch already loaded) split
  * the outputs; each walks its outputs in groups of 8 rows of x held in registers, so a block is
- * dequantized once per 8 rows. The AVX2 path is chosen at run time; elsewhere portable C.
+ * dequantized once per 8 rows. The instruction set is chosen per call (splitserve_block_matmul's
+ * isa, capped by what the CPU has): AVX-512 (blocks_avx512.c), AVX2, or portable C.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define QK 32
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+#include "blocks.h"
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
@@ -46,9 +46,7 @@ static float block_scale(const uint8_t *block, int offset) {
     return half_to_float(h);
 }
 
-int splitserve_block_bytes(int qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : -1;
-}
+int splitserve_block_bytes(int qtype) { return block_bytes(qtype); }
 
 /* One block -> 32 floats, exactly as gguf's numpy dequantize computes them. */
 static void dequant_block(int qtype, const uint8_t *b, float *w) {
@@ -196,12 +194,19 @@ static int has_avx2(void) {
            __builtin_cpu_supports("f16c");
 }
 
-int splitserve_has_avx2(void) { return has_avx2(); }
+enum { ISA_PORTABLE, ISA_AVX2, ISA_AVX512 };
 
-static void matmul_range(int qtype, int simd, const float *x, int64_t M, int64_t K,
+/* The widest instruction set this CPU runs: 2 AVX-512, 1 AVX2, 0 portable C. */
+int splitserve_best_isa(void) {
+    return splitserve_has_avx512() ? ISA_AVX512 : has_avx2() ? ISA_AVX2 : ISA_PORTABLE;
+}
+
+static void matmul_range(int qtype, int isa, const float *x, int64_t M, int64_t K,
                          const uint8_t *w, int64_t n0, int64_t n1, float *out, int64_t N) {
-    if (!simd) {
+    if (isa == ISA_PORTABLE) {
         matmul_portable(qtype, x, M, K, w, n0, n1, out, N);
+    } else if (isa == ISA_AVX512) {
+        splitserve_avx512_range(qtype, x, M, K, w, n0, n1, out, N);
     } else if (qtype == Q4_1) {
         tiles_Q4_1(x, M, K, w, n0, n1, out, N);
     } else if (qtype == Q8_0) {
@@ -211,18 +216,20 @@ static void matmul_range(int qtype, int simd, const float *x, int64_t M, int64_t
     }
 }
 
-/* out[M, N] = x[M, K] @ dequant(w[N, K]).T; simd 0 forces the portable path (tests).
+/* out[M, N] = x[M, K] @ dequant(w[N, K]).T on the instruction set isa (0 portable, 1 AVX2,
+ * 2 AVX-512), or the widest below it that this CPU runs.
  * Returns 0, or -1 for an unknown qtype or K not a multiple of 32. */
-int splitserve_block_matmul(int qtype, int simd, const float *x, int64_t M, int64_t K,
+int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64_t K,
                             const uint8_t *w, int64_t N, float *out) {
     if (splitserve_block_bytes(qtype) < 0 || K % QK) return -1;
-    simd = simd && has_avx2();
+    int best = splitserve_best_isa();
+    isa = isa < best ? isa : best;
     const int64_t chunk = 16;
     int64_t chunks = (N + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        matmul_range(qtype, simd, x, M, K, w, n0, n1, out, N);
+        matmul_range(qtype, isa, x, M, K, w, n0, n1, out, N);
     }
     return 0;
 }

@@ -1,12 +1,17 @@
 """Products and lookups on GGUF block-quantized weights, and their torch references.
 
 A weight is kept as the file stores it: ``[N, K / 32 * block_bytes]`` uint8, one row of blocks
-per output (``blocks.c`` has the formats). ``block_matmul`` runs the native kernel (AVX2 where
-the CPU has it); ``dequantize_ref`` is the torch reference, the same float32 operations as
-gguf's numpy ``dequantize``, and ``block_matmul_ref`` multiplies by its result.
+per output (``blocks.c`` has the formats). ``block_matmul`` runs the native kernel on the
+widest instruction set the CPU has (AVX-512, AVX2, else portable C), or a narrower one named by
+``SPLITSERVE_NATIVE_ISA`` (``avx2``, ``portable``; read once) or ``set_native_isa``; the decode
+stack (``engine/layers/native_decode.py``) takes the same. ``dequantize_ref`` is the torch
+reference, the same float32 operations as gguf's numpy ``dequantize``, and
+``block_matmul_ref`` multiplies by its result.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,6 +21,32 @@ QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+ISAS = ("portable", "avx2", "avx512")  # the C code's isa numbers, narrowest first
+
+_isa: str | None = None
+
+
+def set_native_isa(name: str | None) -> None:
+    """Cap the instruction set of the block products at name (None: SPLITSERVE_NATIVE_ISA,
+    else the widest); the CPU's own limit still applies."""
+    global _isa
+    if name is not None and name not in ISAS:
+        raise ValueError(f"native isa {name!r}: one of {', '.join(ISAS)}")
+    _isa = name
+
+
+def native_isa() -> str:
+    """The instruction set block products run on: the cap, or the CPU's widest if lower."""
+    if _isa is None:
+        set_native_isa(os.environ.get("SPLITSERVE_NATIVE_ISA") or ISAS[-1])
+    assert _isa is not None
+    return ISAS[min(ISAS.index(_isa), best_isa())]
+
+
+def best_isa() -> int:
+    """The widest instruction set of this CPU, as an index into ISAS (0 without the kernels)."""
+    lib = load()
+    return 0 if lib is None else int(lib.splitserve_best_isa())
 
 
 def native_available() -> bool:
@@ -31,11 +62,12 @@ def in_features(qtype: int, blocks: torch.Tensor) -> int:
 
 
 def block_matmul(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, simd: bool = True
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str | None = None
 ) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(blocks [N, ...]).T -> [M, N] float32 (native kernel).
 
-    simd=False takes the portable C path (tests compare both)."""
+    isa names the instruction set (tests and benchmarks compare them); None: ``native_isa()``.
+    One the CPU lacks falls back to the widest below it."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not built")
@@ -44,8 +76,9 @@ def block_matmul(
     if x.dtype != torch.float32 or x.shape[-1] != k or blocks.dtype != torch.uint8:
         raise ValueError(f"block_matmul needs float32 [M, {k}] and uint8 blocks")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    level = ISAS.index(isa or native_isa())
     code = lib.splitserve_block_matmul(
-        qtype, int(simd), x.data_ptr(), x.shape[0], k, blocks.data_ptr(), n, out.data_ptr()
+        qtype, level, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), n, out.data_ptr()
     )
     if code != 0:
         raise ValueError(f"block_matmul: unsupported type {qtype} or K {k}")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("blocks.c", "decode.c")
+SOURCES = ("blocks.c", "blocks_avx512.c", "decode.c")
+HEADERS = ("blocks.h",)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 LIBRARY = "libsplitserve_native.so"
 
@@ -44,7 +45,7 @@ def _compiler() -> str | None:
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update((here / source).read_bytes())
     digest.update(" ".join(FLAGS).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
@@ -97,8 +98,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.splitserve_dequant_rows.restype = None
     lib.splitserve_block_bytes.argtypes = [i32]
     lib.splitserve_block_bytes.restype = i32
-    lib.splitserve_has_avx2.argtypes = []
-    lib.splitserve_has_avx2.restype = i32
+    lib.splitserve_best_isa.argtypes = []
+    lib.splitserve_best_isa.restype = i32
     f32 = ctypes.c_float
     lib.splitserve_add_rms_norm.argtypes = [ptr, ptr, ptr, f32, i64, i64, ptr, ptr]
     lib.splitserve_add_rms_norm.restype = None
@@ -141,5 +142,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64,
         ptr,
         ptr,
+        i32,
     ]
     lib.splitserve_decode_layers.restype = i32
