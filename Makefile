@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/splitserve serve
 
-# The linters and tests/kernels (single-threaded) run beside the rest of the suite.
+# The suite in two pytest-xdist workers, the linters beside it (tools/test.sh).
 test: install
 	VENV=$(VENV) bash tools/test.sh
 

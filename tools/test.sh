@@ -1,34 +1,33 @@
 #!/usr/bin/env bash
-# `make test`: the linters, the type check and the whole suite, in two processes side by side.
+# `make test`: the linters, the type check and the whole suite.
 #
-# The kernel tests run Triton's interpreter (pure Python, one core) and the linters are
-# single-threaded too; the rest of the suite (engines, Ray workers, servers) leaves about a
-# third of the two cores idle while it waits on processes and sockets. So the linters and
-# tests/kernels run beside the rest instead of before it; their output follows the main run's.
-# Extra arguments go to the main pytest run (e.g. -x, -k); PYTEST_ADDOPTS reaches both.
+# The suite runs in two pytest-xdist workers, a test module at a time on one worker
+# (--dist loadfile: a module's fixtures, e.g. its server, are built once). On its own it used
+# about 1.1 of the 2 cores: the server tests wait on processes and sockets, the kernel tests
+# run Triton's interpreter on one core. The linters (single-threaded) run beside it; their
+# output follows the suite's. Session fixtures (the default deployment, the offline SmolLM2
+# engine) are built once per worker. Extra arguments go to pytest (e.g. -x, -k);
+# PYTEST_ADDOPTS reaches it too; SPLITSERVE_TEST_WORKERS=0 runs it in one process.
 set -u
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-side_log=$(mktemp)
-side_tmp=$(mktemp -d)
-trap 'rm -rf "$side_log" "$side_tmp"' EXIT
+WORKERS=${SPLITSERVE_TEST_WORKERS:-2}
+lint_log=$(mktemp)
+trap 'rm -f "$lint_log"' EXIT
 
-side() {
-    local rc=0
-    make --no-print-directory lint VENV="$VENV" || rc=1
-    "$VENV/bin/pytest" -q -ra -p no:cacheprovider --basetemp="$side_tmp" tests/kernels || rc=1
-    return $rc
-}
-
-side >"$side_log" 2>&1 &
-side_pid=$!
-"$VENV/bin/pytest" -q -ra --ignore=tests/kernels "$@"
+make --no-print-directory lint VENV="$VENV" >"$lint_log" 2>&1 &
+lint_pid=$!
+if [ "$WORKERS" -gt 0 ]; then
+    "$VENV/bin/pytest" -q -ra -n "$WORKERS" --dist loadfile "$@"
+else
+    "$VENV/bin/pytest" -q -ra "$@"
+fi
 main_rc=$?
-wait "$side_pid"
-side_rc=$?
-echo "--- beside the main run: ruff, mypy, check_layout, tests/kernels ---"
-cat "$side_log"
-if [ "$main_rc" -ne 0 ] || [ "$side_rc" -ne 0 ]; then
-    echo "make test: FAILED (main run exit $main_rc, linters and kernel tests exit $side_rc)"
+wait "$lint_pid"
+lint_rc=$?
+echo "--- beside the suite: ruff, mypy, check_layout ---"
+cat "$lint_log"
+if [ "$main_rc" -ne 0 ] || [ "$lint_rc" -ne 0 ]; then
+    echo "make test: FAILED (pytest exit $main_rc, linters exit $lint_rc)"
     exit 1
 fi
