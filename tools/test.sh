@@ -2,12 +2,15 @@
 # `make test`: the linters, the type check and the whole suite.
 #
 # The suite runs in two pytest-xdist workers, a test module at a time on one worker
-# (--dist loadfile: a module's fixtures, e.g. its server, are built once). On its own it used
-# about 1.1 of the 2 cores: the server tests wait on processes and sockets, the kernel tests
-# run Triton's interpreter on one core. The linters (single-threaded) run beside it; their
-# output follows the suite's. Session fixtures (the default deployment, the offline SmolLM2
-# engine) are built once per worker. Extra arguments go to pytest (e.g. -x, -k);
-# PYTEST_ADDOPTS reaches it too; SPLITSERVE_TEST_WORKERS=0 runs it in one process.
+# (--dist loadfile: a module's fixtures, e.g. its server, are built once). In one process it
+# used about 1.1 of the 2 cores: the server tests wait on processes and sockets, the kernel
+# tests run Triton's interpreter on one core. Each worker's torch takes one thread
+# (OMP_NUM_THREADS=1, inherited by the servers it starts, as Ray gives a one-CPU actor): two
+# workers with two OpenMP threads each spin-waited on each other's cores and the suite took
+# 17 minutes instead of 13. The linters (single-threaded) run beside it; their output follows
+# the suite's. Session fixtures (the default deployment, the offline SmolLM2 engine) are built
+# once per worker. Extra arguments go to pytest (e.g. -x, -k); PYTEST_ADDOPTS reaches it too;
+# SPLITSERVE_TEST_WORKERS=0 runs it in one process with torch's own thread count.
 set -u
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -18,7 +21,7 @@ trap 'rm -f "$lint_log"' EXIT
 make --no-print-directory lint VENV="$VENV" >"$lint_log" 2>&1 &
 lint_pid=$!
 if [ "$WORKERS" -gt 0 ]; then
-    "$VENV/bin/pytest" -q -ra -n "$WORKERS" --dist loadfile "$@"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/pytest" -q -ra -n "$WORKERS" --dist loadfile "$@"
 else
     "$VENV/bin/pytest" -q -ra "$@"
 fi
