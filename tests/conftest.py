@@ -44,6 +44,50 @@ def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
     return build
 
 
+# Modules that start servers, Ray clusters or worker processes. Under `make test`
+# (pytest-xdist, --dist loadgroup) they form one group that one worker runs one after another,
+# as in a single process, while the other worker takes the in-process modules: two deployments
+# side by side (a chaos or live-scaling test beside another server) ran their waits on
+# restarts and heartbeats two to three times as long. Every other module is a group of its own.
+PROCESS_MODULES = frozenset(
+    {
+        "test_api_e2e",
+        "test_api_errors",
+        "test_api_fuzz",
+        "test_api_migration",
+        "test_bench_serve",
+        "test_deploy_placement",
+        "test_deploy_scale",
+        "test_disagg_2p1d",
+        "test_disagg_chaos",
+        "test_disagg_e2e",
+        "test_disagg_faults",
+        "test_kv_cache_e2e",
+        "test_observability",
+        "test_peer_blocks",
+        "test_shape_serving",
+        "test_structured_api",
+        "test_transfer",
+        "test_vision_e2e",
+        "test_worker_failures",
+        "test_worker_headers",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for xdist; the process group first, as the longest (the worker that takes it
+    starts at once, the other runs everything else meanwhile)."""
+    in_processes = {}
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid
+        in_processes[item.nodeid] = module in PROCESS_MODULES
+        item.add_marker(
+            pytest.mark.xdist_group("processes" if in_processes[item.nodeid] else module)
+        )
+    items.sort(key=lambda item: not in_processes[item.nodeid])
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection imported (torch, transformers, Ray, the test modules: about 370,000
     objects) lives as long as the session. Frozen, it is no longer walked by every full

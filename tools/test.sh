@@ -2,7 +2,9 @@
 # `make test`: the linters, the type check and the whole suite.
 #
 # The suite runs in two pytest-xdist workers, a test module at a time on one worker
-# (--dist loadfile: a module's fixtures, e.g. its server, are built once). In one process it
+# (--dist loadgroup, a group per module, so a module's fixtures, e.g. its server, are built
+# once); the modules that start servers and Ray clusters are one group, run one after another
+# (tests/conftest.py). In one process it
 # used about 1.1 of the 2 cores: the server tests wait on processes and sockets, the kernel
 # tests run Triton's interpreter on one core. Each worker's torch takes one thread
 # (OMP_NUM_THREADS=1, inherited by the servers it starts, as Ray gives a one-CPU actor): two
@@ -21,7 +23,7 @@ trap 'rm -f "$lint_log"' EXIT
 make --no-print-directory lint VENV="$VENV" >"$lint_log" 2>&1 &
 lint_pid=$!
 if [ "$WORKERS" -gt 0 ]; then
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/pytest" -q -ra -n "$WORKERS" --dist loadfile "$@"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/pytest" -q -ra -n "$WORKERS" --dist loadgroup "$@"
 else
     "$VENV/bin/pytest" -q -ra "$@"
 fi
