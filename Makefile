@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/splitserve serve
 
-# The suite in two pytest-xdist workers, the linters beside it (tools/test.sh).
+# Two pytest processes side by side (the modules that start processes, the rest), the linters
+# beside them (tools/test.sh).
 test: install
 	VENV=$(VENV) bash tools/test.sh
 

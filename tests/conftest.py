@@ -44,11 +44,10 @@ def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
     return build
 
 
-# Modules that start servers, Ray clusters or worker processes. Under `make test`
-# (pytest-xdist, --dist loadgroup) they form one group that one worker runs one after another,
-# as in a single process, while the other worker takes the in-process modules: two deployments
-# side by side (a chaos or live-scaling test beside another server) ran their waits on
-# restarts and heartbeats two to three times as long. Every other module is a group of its own.
+# Modules that start servers, Ray clusters or worker processes: marked `processes`. `make test`
+# (tools/test.sh) runs them one after another in one pytest process and every other module in
+# a second one beside it: two deployments side by side (a chaos or live-scaling test beside
+# another server) ran their waits on restarts and heartbeats two to three times as long.
 PROCESS_MODULES = frozenset(
     {
         "test_api_e2e",
@@ -75,17 +74,12 @@ PROCESS_MODULES = frozenset(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for xdist; the process group first, as the longest (the worker that takes it
-    starts at once, the other runs everything else meanwhile)."""
-    in_processes = {}
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid
-        in_processes[item.nodeid] = module in PROCESS_MODULES
-        item.add_marker(
-            pytest.mark.xdist_group("processes" if in_processes[item.nodeid] else module)
-        )
-    items.sort(key=lambda item: not in_processes[item.nodeid])
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
+            item.add_marker(pytest.mark.processes)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
