@@ -71,8 +71,10 @@ def main(paths: list[str]) -> int:
         result = json.loads(Path(path).read_text())
         if "decode" in result:
             lines = offline_table(result)
-        else:
+        elif "runs" in result and "config" in result:
             lines = serve_table(Path(path).stem, result)
+        else:  # llama.cpp's runs and the comparison: cpu_versus_llamacpp.py prints those
+            continue
         print("\n".join(lines) + "\n")
     return 0
 
