@@ -9,7 +9,7 @@
 source "$(dirname "$0")/gpu_env.sh"
 bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline \
     --attention-backend triton --shape llama3-8b --batch-sizes 1,16 --input-len 256 \
-    --output-len 128 --spec-workloads random --ignore-eos "$@"; }
+    --output-len 128 --spec-workloads random --ignore-eos --gpu-memory-utilization 0.2 "$@"; }
 
 for k in 2 4 8; do
     bench --speculative draft_model --draft-model shape:llama3-8b --no-dynamic \
