@@ -4,7 +4,8 @@
  *
  * The arithmetic follows the torch code it replaces (engine/layers/norm.py, rotary.py,
  * attention.py, activation.py) operation by operation in float32; sums run in another order
- * (and, in the AVX2 clones, in vector lanes), so results agree to float32 rounding, not bits.
+ * (and, in the AVX-512 and AVX2 clones, in vector lanes), so results agree to float32 rounding,
+ * not bits.
  */
 #include <math.h>
 #include <stdint.h>
