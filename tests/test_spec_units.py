@@ -123,3 +123,31 @@ def test_spec_decode_counters_grow_by_the_change_between_stats() -> None:
     at = 'model_name="m",pool="decode",position="{}",worker="w"'
     assert f"{per_pos}{{{at.format(0)}}} 4.0" in text
     assert f"{per_pos}{{{at.format(1)}}} 3.0" in text
+
+
+def test_overlapped_plain_steps_reach_the_cost_fit_and_stop_unpaying_drafts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps without drafts run overlapped and never reach ``verify``; their launch-to-launch
+    time is what the planner must weigh drafts against (on an H200 a plain step was several
+    times cheaper than a synchronous verify step, and dynamic mode ran at 0.49x of plain)."""
+    from splitserve.engine.spec import speculator as module
+    from splitserve.engine.spec.ngram import NgramDrafter
+
+    spec = module.Speculator(SpeculativeConfig(num_speculative_tokens=4), NgramDrafter(1, 3), 512)
+    for tokens, passes in ((20, 1), (24, 1), (40, 1), (36, 1), (60, 1)):
+        spec.cost.record(tokens, passes, 0.030)  # synchronous verify steps: 30 ms each
+    clock = iter([1.000, 1.005, 1.010, 1.015, 5.000, 5.005])
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    for _ in range(4):
+        spec.overlapped(16)  # three 5 ms plain steps recorded (the first only starts the clock)
+    spec.idle()
+    spec.overlapped(16)  # after an idle gap: not a step's time (4 s)
+    spec.overlapped(16)
+    assert spec.cost.plain_weight > 3.5  # four plain steps, decayed
+    base, per_token, per_pass = spec.cost.coefficients()
+    assert base + per_token * 16 == pytest.approx(0.005, rel=0.3)
+    assert per_pass > 0.015
+    # Sixteen requests whose drafts are accepted 80% of the time: still not worth a verify pass
+    # that costs five plain steps.
+    assert plan_drafts([0.8] * 16, 4, spec.cost, lambda limits: int(any(limits))) == [0] * 16

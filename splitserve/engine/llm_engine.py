@@ -237,10 +237,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         phases.lap("schedule")
         if batch.is_empty:
+            if spec is not None:
+                spec.idle()
             return []
         self.num_steps += 1
         self.expert_load.mark_step()
         if max_batch and is_decode_batch(batch, max_batch):
+            if spec is not None:
+                spec.overlapped(sum(batch.num_new_tokens))
             return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)

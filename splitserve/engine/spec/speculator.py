@@ -73,6 +73,9 @@ class Speculator:
         self.cost = StepCost()
         self.acceptance: dict[str, Acceptance] = {}
         self._started = 0.0
+        self._last_overlapped: float | None = None
+        """When the last overlapped decode step was launched, while the steps since were all
+        overlapped (None after a synchronous one)."""
 
     def limits(self, reqs: list[Request]) -> list[int]:
         """The most draft tokens each request may verify in the next step."""
@@ -83,6 +86,22 @@ class Speculator:
         else:
             planned = [k] * len(reqs)
         return [min(n, self._room(r)) for n, r in zip(planned, reqs)]
+
+    def overlapped(self, tokens: int) -> None:
+        """An overlapped decode step of ``tokens`` rows is launched. Steps without drafts take
+        that path (CUDA graphs, host work hidden behind the device's) and never reach
+        ``verify``; the time between two consecutive launches is one such step, recorded so
+        that the fit weighs drafts against the plain step that really runs (on a GPU several
+        times cheaper than a synchronous eager one)."""
+        now = time.perf_counter()
+        if self._last_overlapped is not None:
+            self.cost.record(tokens, 0, now - self._last_overlapped)
+        self._last_overlapped = now
+
+    def idle(self) -> None:
+        """The engine had nothing to run: the next overlapped launch starts a new run of
+        them (the gap is not a step's time)."""
+        self._last_overlapped = None
 
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for the running requests that decode next; starts the step's clock."""
@@ -118,6 +137,7 @@ class Speculator:
         passes = self.drafter.passes([len(d) for d in drafts])
         seconds = time.perf_counter() - self._started
         self.cost.record(sum(batch.num_new_tokens), passes, seconds)
+        self._last_overlapped = None
         return outputs
 
     def release(self, req: Request) -> None:
