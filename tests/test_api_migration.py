@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kvstore.hashing import ImageSpan
 from splitserve.services import messages as msg
 from splitserve.services.api.exchange import RequestExchange
+from splitserve.services.api.images import PromptImages
 from splitserve.services.api.request_group import EngineRequestError
 from tests.support.exchange import (
     DEADLINE_S,
@@ -44,15 +46,19 @@ def test_a_decode_worker_that_stops_mid_stream_hands_its_request_to_another() ->
         prefill, d0, d1 = w["prefill-0"], w["decode-0"], w["decode-1"]
         group = submit(exchange, "a")  # equal loads: the earliest decode worker
         await reserve_and_prefill(d0, prefill, "a")
-        await d0.send(delta("a", [5, 6], None))
-        assert (await next_item(group))[1].token_ids == [5, 6]
+        await d0.send(delta("a", [5], None, text="Hi"))
+        await d0.send(delta("a", [6], None, text=" the"))
+        assert (await next_item(group))[1].token_ids == [5]
+        assert (await next_item(group))[1].token_ids == [6]
 
         await d0.send(msg.WorkerFailed("decode-0", "RuntimeError: CUDA error"))
-        # The prompt and the two tokens sent, two tokens left; the handed-over prompt's
-        # prefill worker is told to drop what it may hold of the first attempt.
+        # The prompt and the two tokens sent, two tokens left, 6 characters of their text
+        # with the client; the handed-over prompt's prefill worker is told to drop what it
+        # may hold of the first attempt.
         resumed = [*PROMPT, 5, 6]
         params = SamplingParams(max_tokens=2)
-        assert await d1.receive() == msg.Reserve("a.m1", resumed, params, "prefill-0", [], 2)
+        reserve = msg.Reserve("a.m1", resumed, params, "prefill-0", [], 2, 6)
+        assert await d1.receive() == reserve
         assert await prefill.receive() == msg.AbortRequest(["a"])
         await d1.send(msg.Reserved("a.m1"))
         assert await prefill.receive() == msg.Prefill(
@@ -90,6 +96,39 @@ def test_a_prefill_worker_that_stops_before_its_handoff_hands_the_prompt_to_anot
 
     roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
     run(roles, scenario, migration_limit=3)
+
+
+IMAGES = PromptImages([ImageSpan("ab" * 32, 1, 1)], [msg.ImageData("ab" * 32, b"a png")])
+
+
+def test_a_vision_worker_that_stops_before_its_handoff_hands_the_images_to_another() -> None:
+    async def scenario(exchange: RequestExchange, w: dict[str, FakeWorker]) -> None:
+        prefill, decode, v0, v1 = w["prefill-0"], w["decode-0"], w["vision-0"], w["vision-1"]
+        group = exchange.submit([("a", PROMPT, MAX4)], images=IMAGES)
+        assert await decode.received_id() == "a"  # Reserve
+        assert await v0.receive() == msg.EncodeImages(
+            "a", IMAGES.data, "prefill-0", prefill.endpoint.kv_addr
+        )
+
+        await v0.send(msg.WorkerFailed("vision-0", "RuntimeError: CUDA error"))
+        assert await decode.receive() == msg.AbortRequest(["a"])
+        assert await decode.receive() == msg.Reserve(
+            "a.m1", PROMPT, MAX4, "prefill-0", IMAGES.spans, 0
+        )
+        assert await v1.receive() == msg.EncodeImages(
+            "a.m1", IMAGES.data, "prefill-0", prefill.endpoint.kv_addr
+        )
+        await decode.send(msg.Reserved("a.m1"))
+        prefill_message = await prefill.receive()
+        assert isinstance(prefill_message, msg.Prefill)
+        assert (prefill_message.request_id, prefill_message.images) == ("a.m1", IMAGES.spans)
+        await decode.send(delta("a.m1", [5, 6, 7, 8], "length"))
+        assert (await next_item(group))[1].token_ids == [5, 6, 7, 8]
+        assert migrations(exchange, "vision-0", "worker_failed") == 1.0
+        assert exchange.num_admitted == 0
+
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "vision-0": "vision"}
+    run({**roles, "vision-1": "vision"}, scenario, migration_limit=3)
 
 
 def test_a_request_past_its_migration_limit_fails_and_an_abort_reaches_its_current_attempt() -> (

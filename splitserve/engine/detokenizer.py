@@ -8,7 +8,10 @@ string.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve.engine.request import Request
 
 _CONTEXT_TOKENS = 6
 
@@ -32,6 +35,23 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
+    @classmethod
+    def for_request(cls, tokenizer: Any, req: Request) -> IncrementalDetokenizer:
+        """The detokenizer of a request's output; a resumed request's (engine/resume.py)
+        continues after the earlier run's tokens."""
+        params, prompt = req.params, req.prompt_token_ids
+        original = len(prompt) - req.num_resumed
+        detok = cls(
+            tokenizer,
+            prompt[:original],
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+        if req.num_resumed:
+            detok.replay(prompt[original:], req.resumed_chars)
+        return detok
+
     def add(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append a token; returns the stop string if the text now contains one."""
         self.tokens.append(token_id)
@@ -40,6 +60,14 @@ class IncrementalDetokenizer:
         if not (check_stop and self.stop):
             return None
         return self._cut_at_stop(start)
+
+    def replay(self, tokens: list[int], shown: int) -> None:
+        """Continue a resumed request (engine/resume.py): ``tokens`` are an earlier run's output,
+        whose first ``shown`` characters its client already has. What that run still held back
+        (the possible start of a stop string, a character not complete yet) comes out next."""
+        for token_id in tokens:
+            self.add(token_id, check_stop=False)
+        self.text = self.text[min(shown, len(self.text)) :]
 
     def flush(self) -> None:
         """Emit whatever is pending (an incomplete character included) at the end."""

@@ -73,12 +73,15 @@ class KVHandoff:
         params: SamplingParams,
         images: list[ImageInput] | None = None,
         resumed: int = 0,
+        resumed_chars: int = 0,
     ) -> bool:
         """Reserve blocks for a prompt prefilled elsewhere; False when none are free now.
 
         images: the prompt's images, for image-aware block hashes of the adopted KV.
-        resumed: output tokens of an earlier run at the prompt's end (LLMEngine.build_request)."""
-        req = self.engine.build_request(request_id, prompt_token_ids, params, images, resumed)
+        resumed, resumed_chars: output tokens of an earlier run at the prompt's end, and the
+        characters of their text the client has (LLMEngine.build_request)."""
+        ids = prompt_token_ids
+        req = self.engine.build_request(request_id, ids, params, images, resumed, resumed_chars)
         if not self.engine.block_manager.allocate_slots(req, req.num_prompt_tokens):
             return False
         self.reserved[request_id] = req

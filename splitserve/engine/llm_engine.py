@@ -110,6 +110,7 @@ class LLMEngine:
         traffic_class: str | None = None,
         images: list[ImageInput] | None = None,
         resumed: int = 0,
+        resumed_chars: int = 0,
     ) -> None:
         """Queue a request; ValueError if it can never be served.
 
@@ -117,8 +118,9 @@ class LLMEngine:
         (``pop_prefilled``) instead of decoding here. traffic_class: the retention class under
         which its blocks are kept in the block store (None: the store's default).
         images: the prompt's images with their embeddings (a vision-language model only).
-        resumed: the prompt's last tokens that are output of an earlier run (engine/resume.py)."""
-        req = self.build_request(request_id, prompt, params, images, resumed)
+        resumed: the prompt's last tokens that are output of an earlier run, of whose text the
+        client has resumed_chars characters (engine/resume.py)."""
+        req = self.build_request(request_id, prompt, params, images, resumed, resumed_chars)
         req.prefill_only = prefill_only
         req.traffic_class = traffic_class
         self._register(req)
@@ -131,9 +133,10 @@ class LLMEngine:
         params: SamplingParams,
         images: list[ImageInput] | None = None,
         resumed: int = 0,
+        resumed_chars: int = 0,
     ) -> Request:
         """A validated request for this engine, not queued yet; ValueError if it can never be
-        served or its id is in use. resumed: engine/resume.py."""
+        served or its id is in use. resumed, resumed_chars: engine/resume.py."""
         if request_id in self.requests or request_id in self.handoff.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -144,7 +147,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
             req.grammar = self._grammar(params.structured_outputs)
-        resume(req, resumed, self.model_config.vocab_size)
+        resume(req, resumed, self.model_config.vocab_size, resumed_chars)
         return req
 
     def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
@@ -168,15 +171,8 @@ class LLMEngine:
         return self.grammar_compiler.compile(spec)
 
     def _register(self, req: Request) -> None:
-        params = req.params
         self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            req.prompt_token_ids,
-            params.stop,
-            params.skip_special_tokens,
-            params.include_stop_str_in_output,
-        )
+        self.detokenizers[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, req)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

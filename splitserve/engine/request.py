@@ -95,6 +95,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_text = ""
+        self.num_resumed = 0
+        """The prompt's last tokens that are output of an earlier run (engine/resume.py)."""
+        self.resumed_chars = 0
+        """Of that earlier output's text, the characters its client already has."""
         self.grammar: RequestGrammar | None = None
         """The matcher of params.structured_outputs (engine/structured/), set by the engine."""
         self.generator: torch.Generator | None = None

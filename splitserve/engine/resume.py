@@ -9,7 +9,11 @@ many of the prompt's last tokens they are. Sampling then goes on where the earli
   resumed token, exactly as the earlier run's sampler advanced it, so it draws what that run
   would have drawn next ;
 - a constrained request: its grammar matcher is fed the resumed tokens, so that it is in the
-  state the earlier run's matcher was in.
+  state the earlier run's matcher was in;
+- text: the detokenizer replays the resumed tokens (IncrementalDetokenizer.replay) and drops
+  the ``resumed_chars`` characters the client already has, so that what the earlier run held
+  back (the possible start of a stop string) is sent next, and a stop string that spans the
+  two runs is still found.
 
 The caller (the API server) counts the resumed tokens against max_tokens and min_tokens.
 """
@@ -20,11 +24,15 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 
 
-def resume(req: Request, resumed: int, vocab_size: int) -> None:
-    """Bring a new request's sampling state past its ``resumed`` output tokens; ValueError if
-    ``resumed`` is out of range or the tokens break its constraint."""
+def resume(req: Request, resumed: int, vocab_size: int, shown_chars: int = 0) -> None:
+    """Bring a new request's sampling state past its ``resumed`` output tokens, of whose text
+    the client has ``shown_chars`` characters; ValueError if ``resumed`` is out of range or the
+    tokens break its constraint."""
     if not 0 <= resumed < req.num_prompt_tokens:
         raise ValueError(f"resumed must be in [0, {req.num_prompt_tokens}), got {resumed}")
+    if shown_chars < 0:
+        raise ValueError(f"resumed_chars must be >= 0, got {shown_chars}")
+    req.num_resumed, req.resumed_chars = resumed, shown_chars
     for token in req.prompt_token_ids[req.num_prompt_tokens - resumed :]:
         Sampler.skip_draw(req, vocab_size)
         if req.grammar is not None and not req.grammar.accept(token):

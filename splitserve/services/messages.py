@@ -28,6 +28,8 @@ class GenerateRequest:
     traffic_class: str | None = None
     resumed: int = 0
     """The prompt's last tokens that are output of an earlier run (a migrated request)."""
+    resumed_chars: int = 0
+    """Of those tokens' text, the characters the client already has (engine/resume.py)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class Reserve:
     """The prompt's images: their content hashes keep the block hashes image-aware."""
     resumed: int = 0
     """The prompt's last tokens that are output of an earlier run (a migrated request)."""
+    resumed_chars: int = 0
+    """Of those tokens' text, the characters the client already has (engine/resume.py)."""
 
 
 @dataclass(frozen=True)

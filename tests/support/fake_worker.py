@@ -55,8 +55,8 @@ class FakeWorker:
 
 
 def delta(
-    request_id: str, tokens: list[int], finish: str | None, prompt_tokens: int = 3
+    request_id: str, tokens: list[int], finish: str | None, prompt_tokens: int = 3, text: str = ""
 ) -> msg.OutputBatch:
     return msg.OutputBatch(
-        [msg.TokenDelta(request_id, "", tokens, None, finish, None, prompt_tokens, 0)], []
+        [msg.TokenDelta(request_id, text, tokens, None, finish, None, prompt_tokens, 0)], []
     )

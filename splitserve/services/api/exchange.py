@@ -145,8 +145,9 @@ class RequestExchange:
         decode, prompt_ids, params = tracked.worker, sub.prompt_ids, sub.params
         self.inflight.add(request_id, tracked, -(-len(prompt_ids) // self.block_size))
         if route.prefill is None:
+            resumed = sub.resumed, sub.resumed_chars
             generate = msg.GenerateRequest(
-                request_id, prompt_ids, params, sub.traffic_class, sub.resumed
+                request_id, prompt_ids, params, sub.traffic_class, *resumed
             )
             self.pool.send(decode, generate)
             self.inflight.prompt_sent(tracked)
@@ -172,7 +173,9 @@ class RequestExchange:
         )
         if route.vision is not None and sub.images is not None:
             self._encode(tracked, workers[route.vision], request_id, sub.images)
-        reserve = msg.Reserve(request_id, prompt_ids, params, prefill.worker_id, spans, sub.resumed)
+        reserve = msg.Reserve(
+            request_id, prompt_ids, params, prefill.worker_id, spans, sub.resumed, sub.resumed_chars
+        )
         self.pool.send(decode, reserve)
 
     def _encode(
@@ -323,6 +326,7 @@ class RequestExchange:
         tracked = self.inflight.on_delta(delta)
         if tracked is not None:
             tracked.token_ids += delta.token_ids
+            tracked.text_chars += len(delta.text)
             tracked.group.queue.put_nowait((tracked.index, delta))
 
     def _on_error(self, error: msg.RequestError, reason: str) -> None:

@@ -44,10 +44,13 @@ class Submission:
     images: PromptImages | None = None
     resumed: int = 0
     """The prompt's last tokens that are output of an earlier attempt."""
+    resumed_chars: int = 0
+    """Of those tokens' text, the characters the client already has."""
 
-    def resumed_after(self, tokens: list[int]) -> Submission:
-        """This (original) request continued after ``tokens``, the output already streamed:
-        they are appended to the prompt and counted against max_tokens and min_tokens."""
+    def resumed_after(self, tokens: list[int], chars: int) -> Submission:
+        """This (original) request continued after ``tokens``, the output already streamed
+        (``chars`` characters of their text): they are appended to the prompt and counted
+        against max_tokens and min_tokens; the text they still owe the client comes first."""
         if not tokens:
             return self
         done, params = len(tokens), self.params
@@ -55,7 +58,7 @@ class Submission:
         min_tokens = max(0, params.min_tokens - done)
         params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min_tokens)
         prompt = self.prompt_ids + tokens
-        return Submission(prompt, params, self.traffic_class, self.images, done)
+        return Submission(prompt, params, self.traffic_class, self.images, done, chars)
 
 
 Send = Callable[[str, Tracked, Submission, Route, dict[str, WorkerState]], None]
@@ -98,7 +101,7 @@ class Migrations:
         tracked = self.inflight.get(request_id)
         if tracked is None or tracked.submission is None or tracked.migrations >= self.limit:
             return False
-        resumed = tracked.submission.resumed_after(tracked.token_ids)
+        resumed = tracked.submission.resumed_after(tracked.token_ids, tracked.text_chars)
         new_id = f"{tracked.request_id}.m{tracked.migrations + 1}"
         try:
             # By load alone: a migration runs on the event loop (the reader, the sweep),

@@ -124,6 +124,8 @@ class Tracked:
     """What was sent for it at admission, to send again if it migrates (migration.py)."""
     token_ids: list[int] = field(default_factory=list)
     """The tokens its client has been sent."""
+    text_chars: int = 0
+    """The characters of text its client has been sent."""
     migrations: int = 0
 
     def hops(self) -> list[WorkerState]:

@@ -97,7 +97,8 @@ class DecodeWorker(EngineWorker):
                 images = [ImageInput(span) for span in request.images]
                 handoff = self.engine.handoff
                 ids, params = request.prompt_token_ids, request.params
-                if not handoff.reserve(request.request_id, ids, params, images, request.resumed):
+                resumed = request.resumed, request.resumed_chars
+                if not handoff.reserve(request.request_id, ids, params, images, *resumed):
                     return
             except ValueError as exc:
                 self._errors.append(msg.RequestError(request.request_id, str(exc)))

@@ -99,6 +99,7 @@ class EngineWorker(Worker):
                     message.params,
                     traffic_class=message.traffic_class,
                     resumed=message.resumed,
+                    resumed_chars=message.resumed_chars,
                 )
             except ValueError as exc:
                 self._errors.append(msg.RequestError(message.request_id, str(exc)))
