@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=4)
     spec.add_argument("--draft-model", default=None, help="the draft_model method's draft")
     spec.add_argument("--no-dynamic", action="store_true", help="always draft the most tokens")
+    spec.add_argument(
+        "--draft-seed", type=int, default=None, help="seed of a shape: draft (another: rejected)"
+    )
     spec.add_argument("--spec-workloads", default="grounded,free", help="grounded,free,random")
     spec.add_argument("--repeats", type=int, default=2, help="best of this many runs")
     spec.add_argument("--ignore-eos", action="store_true")

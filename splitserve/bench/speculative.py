@@ -57,6 +57,8 @@ def run_speculative(args: argparse.Namespace) -> int:
     }
     if args.speculative == "draft_model":
         spec["model"] = args.draft_model
+        if args.draft_seed is not None:
+            spec["draft_seed"] = args.draft_seed
     common = dict(
         model=model,
         device=args.device,

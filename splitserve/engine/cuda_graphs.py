@@ -10,6 +10,11 @@ Each bucket's inputs (token ids, positions, slots, context lengths, block tables
 of one flat buffer, filled by one host-to-device copy per step. Each graph also takes the
 argmax of its logits (``run_greedy``): an overlapped greedy step then launches nothing but the
 copy and the graph.
+
+With speculative decoding a second set of graphs runs verify steps: a request's last token
+and its drafts are decode rows of their own (engine/layers/attention.py), up to
+``verify_rows`` rows in all, captured with the K/V write apart from attention (the rows read
+each other's K/V).
 """
 
 from __future__ import annotations
@@ -45,50 +50,67 @@ class BucketInputs:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, capture: bool) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch: int, capture: bool, verify_rows: int = 0
+    ) -> None:
         self.runner = runner
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
+        self.verify_buckets = bucket_sizes(verify_rows) if verify_rows else []
+        self.verify_rows = verify_rows
         device, self.width = runner.device, runner.max_blocks_per_seq
-        self.inputs = {size: BucketInputs(size, self.width, device) for size in self.buckets}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        sizes = sorted({*self.buckets, *self.verify_buckets})
+        self.inputs = {size: BucketInputs(size, self.width, device) for size in sizes}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        """(bucket, verify) -> its graph."""
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
         if capture:
             self._capture_all()
 
     def fits(self, batch: ScheduledBatch) -> bool:
-        return len(batch.requests) <= self.max_batch and all(
-            n == 1 and req.num_computed_tokens + 1 == req.num_tokens
+        """A decode step (every request computes its last token) or, with verify graphs, a
+        verify step (its last token and its drafts) of a size that was captured."""
+        if not all(
+            n == 1 + len(req.draft_token_ids) and req.num_computed_tokens + 1 == req.num_tokens
             for req, n in zip(batch.requests, batch.num_new_tokens)
-        )
+        ):
+            return False
+        rows = sum(batch.num_new_tokens)
+        if rows > len(batch.requests):
+            return rows <= self.verify_rows
+        return rows <= self.max_batch
 
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, prev: InflightStep | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """prev: the step still in flight whose sampled tokens are this step's inputs
-        wherever the host does not know them yet (overlapped scheduling)."""
-        count = len(batch.requests)
-        return self._step(batch, prev)[1][:count], list(range(count))
+        wherever the host does not know them yet (overlapped scheduling). A verify step
+        returns 1 + len(drafts) rows of logits per request, in position order."""
+        rows = sum(batch.num_new_tokens)
+        return self._step(batch, prev)[1][:rows], list(range(len(batch.requests)))
 
     @torch.inference_mode()
     def run_greedy(self, batch: ScheduledBatch, prev: InflightStep | None) -> torch.Tensor:
         """run(), then each request's argmax token on the device (taken inside the graph)."""
         count = len(batch.requests)
         size, logits = self._step(batch, prev)
-        if size in self.graphs:
+        if (size, False) in self.graphs:
             return self.greedy[size][:count]
         return greedy_tokens(logits[:count])
 
     def _step(self, batch: ScheduledBatch, prev: InflightStep | None) -> tuple[int, torch.Tensor]:
         """Fills the smallest bucket that holds the batch and runs it: (bucket, its logits)."""
-        size = next(b for b in self.buckets if b >= len(batch.requests))
+        rows = sum(batch.num_new_tokens)
+        verify = rows > len(batch.requests)
+        size = next(b for b in (self.verify_buckets if verify else self.buckets) if b >= rows)
         self._fill(batch, size, prev)
-        if size in self.graphs:
-            self.graphs[size].replay()
-            return size, self.logits[size]
-        return size, self._forward(size)
+        graph = self.graphs.get((size, verify))
+        if graph is not None:
+            graph.replay()
+            return size, self.logits[size, verify]
+        return size, self._forward(size, verify)
 
     def _fill(self, batch: ScheduledBatch, size: int, prev: InflightStep | None) -> None:
         """One host-to-device copy of the padded inputs into the bucket's buffer; the input
@@ -97,7 +119,7 @@ class DecodeGraphs:
         The staging buffer is filled through numpy: each row's block table is one slice
         assignment and the padding one fill, where building a bucket x width list of Python
         ints per step took most of a served decode loop at large buckets (py-spy, H200)."""
-        bs, scratch, count = self.runner.block_size, self.runner.scratch_block, len(batch.requests)
+        bs, scratch = self.runner.block_size, self.runner.scratch_block
         inputs = self.inputs[size]
         on_cuda = inputs.flat.device.type == "cuda"
         # Pinned, so that the copy does not wait for the step in flight to finish; the caching
@@ -109,7 +131,8 @@ class DecodeGraphs:
         tables.fill(scratch)
         rows, prev_rows = [], []
         prev_row = prev.row_of() if prev is not None else {}
-        for row, req in enumerate(batch.requests):
+        row = 0
+        for req in batch.requests:
             p, table = req.num_computed_tokens, req.block_table
             if req.num_pending:
                 ids[row] = 0
@@ -117,14 +140,18 @@ class DecodeGraphs:
                 prev_rows.append(prev_row[id(req)])
             else:
                 ids[row] = req.all_token_ids[p]
-            pos[row] = p
-            slots[row] = table[p // bs] * bs + p % bs
-            lens[row] = p + 1
-            tables[row, : len(table)] = table
-        ids[count:] = 0
-        pos[count:] = 0
-        slots[count:] = scratch * bs
-        lens[count:] = 1
+            for draft in [None, *req.draft_token_ids]:  # a verify step: a row per draft
+                if draft is not None:
+                    ids[row] = draft
+                pos[row] = p
+                slots[row] = table[p // bs] * bs + p % bs
+                lens[row] = p + 1
+                tables[row, : len(table)] = table
+                row, p = row + 1, p + 1
+        ids[row:] = 0
+        pos[row:] = 0
+        slots[row:] = scratch * bs
+        lens[row:] = 1
         inputs.flat.copy_(staged, non_blocking=True)
         if not rows:
             return
@@ -137,7 +164,7 @@ class DecodeGraphs:
             dst, src = index.split(len(rows))
             inputs.input_ids[dst] = prev.tokens[src]
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, verify: bool = False) -> torch.Tensor:
         inputs = self.inputs[size]
         meta = AttentionMetadata(
             slot_mapping=inputs.slots,
@@ -145,6 +172,7 @@ class DecodeGraphs:
             decode_block_tables=inputs.tables,
             decode_context_lens=inputs.lens,
             prefills=[],
+            verify=verify,
         )
         model = self.runner.model
         hidden = model(inputs.input_ids, inputs.positions, meta)
@@ -153,17 +181,20 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        for size in reversed(self.buckets):
+        shapes = [(size, False) for size in self.buckets]
+        shapes += [(size, True) for size in self.verify_buckets]
+        for size, verify in sorted(shapes, reverse=True):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(size)
+                    self._forward(size, verify)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-                self.greedy[size] = greedy_tokens(self.logits[size])
+                logits = self.logits[size, verify] = self._forward(size, verify)
+                if not verify:
+                    self.greedy[size] = greedy_tokens(logits)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[size, verify] = graph
         torch.cuda.synchronize()

@@ -64,9 +64,11 @@ class ModelRunner:
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
-            self.graphs = DecodeGraphs(
-                self, min(config.cuda_graph_max_batch, config.max_num_seqs), capture=True
-            )
+            max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+            spec = config.speculative
+            rows = config.max_num_seqs * (1 + spec.num_speculative_tokens) if spec else 0
+            verify_rows = min(config.cuda_graph_max_batch, rows)
+            self.graphs = DecodeGraphs(self, max_batch, capture=True, verify_rows=verify_rows)
         overlap = config.overlap_scheduling
         if overlap is None:
             overlap = self.device.type == "cuda"
@@ -213,7 +215,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
         """The step's flat inputs; appends (row, request, start, end) of the segments that
         compute image positions to image_segments."""
-        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] > 1)
+        verifies = [_verifies(req, n) for req, n in zip(batch.requests, batch.num_new_tokens)]
+        order = sorted(
+            range(len(batch.requests)),
+            key=lambda i: batch.num_new_tokens[i] > 1 and not verifies[i],
+        )
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -235,9 +241,9 @@ class ModelRunner:
             pos.extend(range(start, end))
             table = req.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if num_new == 1:
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
+            if num_new == 1 or verifies[i]:  # a verify step's positions: a decode row each
+                decode_tables.extend(table[: -(-p // bs)] for p in range(start + 1, end + 1))
+                decode_lens.extend(range(start + 1, end + 1))
             else:
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long)
                 prefills.append(PrefillSegment(row, num_new, end, blocks.to(self.device)))
@@ -253,6 +259,7 @@ class ModelRunner:
             decode_block_tables=self._tensor(_pad(decode_tables, width)),
             decode_context_lens=self._tensor(decode_lens),
             prefills=prefills,
+            verify=any(verifies),
         )
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows), sampled
 
@@ -273,6 +280,13 @@ class HostBlocks:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+
+
+def _verifies(req: Request, num_new: int) -> bool:
+    """The request's step computes its last token and its drafts, nothing else (a verify
+    step's decode rows, engine/spec/)."""
+    drafts = len(req.draft_token_ids)
+    return drafts > 0 and num_new == 1 + drafts and req.num_computed_tokens + 1 == req.num_tokens
 
 
 def _has_images(batch: ScheduledBatch) -> bool:

@@ -1,8 +1,13 @@
 """Paged attention behind a small backend interface.
 
-A step's tokens are laid out flat: first one token per decoding sequence, then the new tokens
+A step's tokens are laid out flat: first the decode rows (one token each), then the new tokens
 of each prefilling sequence. Every backend writes the step's K/V into the paged cache at
 ``slot_mapping`` and attends over each sequence's cached context.
+
+A verify step (speculative decoding) lays a sequence's last token and its drafts out as
+decode rows of their own, each with its position's context length: the step is then a decode
+step (the decode kernels and CUDA graphs), and every row's K/V is in the cache before any row
+attends (``AttentionMetadata.verify``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
     prefills: list[PrefillSegment]
+    verify: bool = False
+    """Some decode rows are draft positions of one sequence, which attend to each other's K/V:
+    the step writes every row's K/V before any row attends (no fused write-and-attend)."""
 
 
 class AttentionBackend(ABC):

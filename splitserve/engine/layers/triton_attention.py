@@ -82,8 +82,9 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Rotary and the K/V write in one launch, then attention over the cache; all three in
-        one launch when every token of the step is a decode token."""
-        if not meta.prefills and meta.num_decode_tokens == qkv.shape[0]:
+        one launch when every token of the step is a decode token of its own sequence (not a
+        verify step, whose rows read each other's K/V)."""
+        if not meta.prefills and meta.num_decode_tokens == qkv.shape[0] and not meta.verify:
             return paged_decode_attention_qkv(
                 qkv, self.num_heads, positions, rotary.cos, rotary.sin, meta.slot_mapping,
                 k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,

@@ -19,6 +19,9 @@ class SpeculativeConfig:
     dynamic: choose each step how many tokens to verify per request from measured acceptance
     and step times (engine/spec/dynamic.py); False always proposes up to the maximum.
     draft_kv_cache_bytes: the draft model's KV pool on CPU (on CUDA a share of the target's).
+    draft_seed: the seed of a random-weight draft (``shape:`` model); None: the target's, so
+    a draft of the target's shape is the target (every draft accepted), another seed gives a
+    draft that is almost never accepted (benchmarks of the overhead).
     """
 
     method: str = "ngram"
@@ -28,6 +31,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     dynamic: bool = True
     draft_kv_cache_bytes: int = 64 << 20
+    draft_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
