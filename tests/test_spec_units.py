@@ -151,3 +151,38 @@ def test_overlapped_plain_steps_reach_the_cost_fit_and_stop_unpaying_drafts(
     # Sixteen requests whose drafts are accepted 80% of the time: still not worth a verify pass
     # that costs five plain steps.
     assert plan_drafts([0.8] * 16, 4, spec.cost, lambda limits: int(any(limits))) == [0] * 16
+
+
+def test_a_request_whose_lookups_find_nothing_stops_being_asked_for_drafts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asking for drafts costs the step its overlap (the step in flight is read first). When
+    the lookup finds nothing, the request's rate falls as for a rejected draft, so after a few
+    tries it is asked only now and then, and the next overlapped step's time is charged to a draft pass."""
+    from splitserve.engine.spec import speculator as module
+    from splitserve.engine.spec.ngram import NgramDrafter
+
+    spec = module.Speculator(SpeculativeConfig(num_speculative_tokens=4), NgramDrafter(2, 3), 512)
+    for _ in range(4):  # verify steps: 7 ms; overlapped plain steps: 5 ms
+        spec.cost.record(5, 1, 0.007)
+        spec.cost.record(1, 0, 0.005)
+    req = Request("r", list(range(10, 40)), SamplingParams(max_tokens=100))  # no repeats
+    req.num_computed_tokens = req.num_tokens - 1
+    asked = []
+    for _ in range(40):
+        asked.append(spec.limits([req]) != [0])
+        spec.propose([req])
+        assert req.draft_token_ids == []
+    assert asked[0]
+    assert sum(asked[10:]) <= 4  # retried now and then, as its rate drifts back when idle
+
+    recorded = []
+    monkeypatch.setattr(spec.cost, "record", lambda *point: recorded.append(point))
+    monkeypatch.setattr(module.time, "perf_counter", iter([1.0, 1.001, 1.009, 1.014]).__next__)
+    fresh = Request("s", list(range(50, 80)), SamplingParams(max_tokens=100))
+    fresh.num_computed_tokens = fresh.num_tokens - 1
+    spec.overlapped(1)  # the launch before propose() read it back
+    spec.propose([fresh])  # asked at the prior rate, found nothing
+    spec.overlapped(1)  # charged to a pass
+    spec.overlapped(1)  # a plain overlapped step again
+    assert recorded == [(1, 1, pytest.approx(0.009)), (1, 0, pytest.approx(0.005))]

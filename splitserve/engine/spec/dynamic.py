@@ -19,6 +19,7 @@ import numpy as np
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
+MISS_WEIGHT = 4.0
 
 
 class Acceptance:
@@ -37,6 +38,14 @@ class Acceptance:
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.accepted = self.accepted * DECAY + num_accepted
         self.rejected = self.rejected * DECAY + (num_accepted < num_drafts)
+
+    def missed(self) -> None:
+        """Drafts were asked for and the drafter had none (no n-gram match): the step gave up
+        its overlap for nothing. It counts as MISS_WEIGHT rejected drafts, so that a request
+        whose lookups keep failing is asked again only after ``idle`` has decayed that (about
+        a dozen steps later), not every few steps."""
+        self.accepted *= DECAY
+        self.rejected = self.rejected * DECAY + MISS_WEIGHT
 
     def idle(self) -> None:
         self.accepted *= DECAY

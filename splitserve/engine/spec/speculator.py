@@ -76,6 +76,9 @@ class Speculator:
         self._last_overlapped: float | None = None
         """When the last overlapped decode step was launched, while the steps since were all
         overlapped (None after a synchronous one)."""
+        self._missed_passes = 0
+        """Draft passes of the last ``propose``, which found no draft at all: the step that
+        follows runs without drafts, but paid for asking (the step in flight was read first)."""
 
     def limits(self, reqs: list[Request]) -> list[int]:
         """The most draft tokens each request may verify in the next step."""
@@ -95,7 +98,8 @@ class Speculator:
         times cheaper than a synchronous eager one)."""
         now = time.perf_counter()
         if self._last_overlapped is not None:
-            self.cost.record(tokens, 0, now - self._last_overlapped)
+            self.cost.record(tokens, self._missed_passes, now - self._last_overlapped)
+        self._missed_passes = 0
         self._last_overlapped = now
 
     def idle(self) -> None:
@@ -114,6 +118,10 @@ class Speculator:
         drafts = self.drafter.propose([r for r, _ in asked], [n for _, n in asked])
         for req, draft in zip([r for r, _ in asked], drafts):
             req.draft_token_ids = draft
+            if not draft:
+                self._acceptance(req).missed()
+        found = any(drafts)
+        self._missed_passes = 0 if found else self.drafter.passes([n for _, n in asked])
         for req, n in zip(reqs, limits):
             if n == 0 and req.request_id in self.acceptance:
                 self.acceptance[req.request_id].idle()
