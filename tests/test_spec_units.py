@@ -157,8 +157,8 @@ def test_a_request_whose_lookups_find_nothing_stops_being_asked_for_drafts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Asking for drafts costs the step its overlap (the step in flight is read first). When
-    the lookup finds nothing, the request's rate falls as for a rejected draft, so after a few
-    tries it is asked only now and then, and the next overlapped step's time is charged to a draft pass."""
+    the lookup finds nothing, the request's rate falls as for rejected drafts, so after a few
+    tries it is asked only now and then, and the next overlapped step is charged to a pass."""
     from splitserve.engine.spec import speculator as module
     from splitserve.engine.spec.ngram import NgramDrafter
 
