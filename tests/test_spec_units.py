@@ -186,3 +186,13 @@ def test_a_request_whose_lookups_find_nothing_stops_being_asked_for_drafts(
     spec.overlapped(1)  # charged to a pass
     spec.overlapped(1)  # a plain overlapped step again
     assert recorded == [(1, 1, pytest.approx(0.009)), (1, 0, pytest.approx(0.005))]
+
+
+def test_drafts_keep_a_step_within_the_rows_of_the_measured_path() -> None:
+    """Past max_rows a CPU step leaves the native decode path (it dequantizes the weights),
+    where the linear cost fit does not hold: the plan stays below it."""
+    cost = StepCost()
+    for tokens in range(1, 40):
+        cost.record(tokens, 0, 0.050 + 0.0001 * tokens)  # memory-bound: drafts nearly free
+    assert sum(plan_drafts([0.9] * 32, 6, cost, max)) > 16
+    assert sum(plan_drafts([0.9] * 32, 6, cost, max, max_rows=48)) == 16

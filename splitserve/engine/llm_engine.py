@@ -82,6 +82,9 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed)
         self.spec = build_speculator(config, self.model_config.vocab_size, self.max_model_len)
+        native = getattr(self.runner.model, "native_decode", None)
+        if self.spec is not None and native is not None:
+            self.spec.max_rows = native.max_rows - 1
         self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}

@@ -91,11 +91,17 @@ class StepCost:
 
 
 def plan_drafts(
-    rates: list[float], max_k: int, cost: StepCost, passes: Callable[[list[int]], int]
+    rates: list[float],
+    max_k: int,
+    cost: StepCost,
+    passes: Callable[[list[int]], int],
+    max_rows: int | None = None,
 ) -> list[int]:
     """Draft tokens per request: the count of best drafts (worth rate**j) that maximizes
     expected tokens per second of the step, shared out to the requests they belong to.
-    passes: the drafter's passes for a list of draft counts."""
+    passes: the drafter's passes for a list of draft counts. max_rows: the most rows a step
+    keeps on the path the fit has measured (the CPU's native decode path; None: no bound),
+    where the cost is not linear past it."""
     if cost.explore:
         return [0] * len(rates)
     base, per_token, per_pass = cost.coefficients()
@@ -106,6 +112,8 @@ def plan_drafts(
     batch = len(rates)
     limits = [0] * batch
     best, best_rate, expected = 0, batch / (base + per_token * batch), float(batch)
+    if max_rows is not None:
+        gains = gains[: max(0, max_rows - batch)]
     for count, (gain, row) in enumerate(gains, start=1):
         expected += gain
         limits[row] += 1

@@ -69,6 +69,9 @@ class Speculator:
         self.config = config
         self.drafter = drafter
         self.max_model_len = max_model_len
+        self.max_rows: int | None = None
+        """Verify steps stay below this many rows (dynamic mode; set by the engine from the
+        CPU's native decode path, past which a step dequantizes its weights)."""
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.cost = StepCost()
         self.acceptance: dict[str, Acceptance] = {}
@@ -85,7 +88,7 @@ class Speculator:
         k = self.config.num_speculative_tokens
         if self.config.dynamic:
             rates = [self._acceptance(r).rate for r in reqs]
-            planned = plan_drafts(rates, k, self.cost, self.drafter.passes)
+            planned = plan_drafts(rates, k, self.cost, self.drafter.passes, self.max_rows)
         else:
             planned = [k] * len(reqs)
         return [min(n, self._room(r)) for n, r in zip(planned, reqs)]
