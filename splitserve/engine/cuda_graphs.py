@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.engine.layers.attention import AttentionMetadata
+from splitserve.engine.request import decodes
 from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 
@@ -71,10 +72,7 @@ class DecodeGraphs:
     def fits(self, batch: ScheduledBatch) -> bool:
         """A decode step (every request computes its last token) or, with verify graphs, a
         verify step (its last token and its drafts) of a size that was captured."""
-        if not all(
-            n == 1 + len(req.draft_token_ids) and req.num_computed_tokens + 1 == req.num_tokens
-            for req, n in zip(batch.requests, batch.num_new_tokens)
-        ):
+        if not all(decodes(req, n) for req, n in zip(batch.requests, batch.num_new_tokens)):
             return False
         rows = sum(batch.num_new_tokens)
         if rows > len(batch.requests):

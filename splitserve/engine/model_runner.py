@@ -22,7 +22,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.registry import expert_parallel, model_class
 from splitserve.engine.overlap import InflightStep
-from splitserve.engine.request import Request
+from splitserve.engine.request import Request, decodes
 from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
@@ -285,8 +285,7 @@ class HostBlocks:
 def _verifies(req: Request, num_new: int) -> bool:
     """The request's step computes its last token and its drafts, nothing else (a verify
     step's decode rows, engine/spec/)."""
-    drafts = len(req.draft_token_ids)
-    return drafts > 0 and num_new == 1 + drafts and req.num_computed_tokens + 1 == req.num_tokens
+    return bool(req.draft_token_ids) and decodes(req, num_new)
 
 
 def _has_images(batch: ScheduledBatch) -> bool:

@@ -157,3 +157,9 @@ class Request:
             finished=self.is_finished,
             num_cached_tokens=self.num_cached_tokens,
         )
+
+
+def decodes(req: Request, num_new: int) -> bool:
+    """A step of ``num_new`` tokens computes the request's last token and its drafts (if any),
+    nothing else: decode rows, one per position (engine/cuda_graphs.py, model_runner.py)."""
+    return num_new == 1 + len(req.draft_token_ids) and req.num_computed_tokens + 1 == req.num_tokens

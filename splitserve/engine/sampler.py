@@ -103,13 +103,15 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> None:
         values = logits[seen]
         penalty = params.repetition_penalty
         logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    # The request's output so far, an earlier run's included (a resumed request: resume.py).
-    generated = req.all_token_ids[req.num_prompt_tokens - req.num_resumed :]
-    if (params.frequency_penalty or params.presence_penalty) and generated:
-        counts = torch.bincount(
-            torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0]
-        )[: logits.shape[0]].float()
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if params.frequency_penalty or params.presence_penalty:
+        # The request's output so far, an earlier run's included (a resumed request: resume.py).
+        generated = req.all_token_ids[req.num_prompt_tokens - req.num_resumed :]
+        if generated:
+            counts = torch.bincount(
+                torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0]
+            )[: logits.shape[0]].float()
+            frequency, presence = params.frequency_penalty, params.presence_penalty
+            logits -= frequency * counts + presence * (counts > 0).float()
     if req.num_output_tokens < params.min_tokens:
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
