@@ -139,6 +139,7 @@ def hf_smollm2(smollm2_path: str) -> Any:
 def default_server() -> Iterator[ServerProcess]:
     """The default deployment (one prefill and one decode worker), started once for every
     module that only sends it requests and waits until they are done. A module that scales
-    it, kills its workers or needs other settings starts its own with ``serve``."""
-    with serve() as server:
+    it, kills its workers or needs other settings starts its own with ``serve``. This one
+    starts its own Ray, exactly as `make serve` does; the others join one shared head."""
+    with serve(private_ray=True) as server:
         yield server

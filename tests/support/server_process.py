@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support import ray_head
 from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,9 +71,14 @@ def worker_pids(server: ServerProcess) -> dict[str, int]:
 
 
 @contextmanager
-def serve(*overrides: str, config: str | None = None) -> Iterator[ServerProcess]:
+def serve(
+    *overrides: str, config: str | None = None, private_ray: bool = False
+) -> Iterator[ServerProcess]:
     """Run `splitserve serve [--config FILE] --set ...` until the block ends, then SIGTERM it
-    (exit code 0)."""
+    (exit code 0). The deployment joins the session's Ray head (tests/support/ray_head.py)
+    unless ``private_ray``: then it starts its own, as `make serve` does."""
+    if not private_ray:
+        overrides = (f"ray.address={ray_head.address()}", *overrides)
     server = _start_ready(overrides, config)
     try:
         yield server
