@@ -54,7 +54,7 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
     config = load_config(
         None,
         [
-            "model=shape:smollm2-135m",
+            "model=shape:tiny-llama",
             f"ray.address={ray_cluster.address}",
             "server.internal_host=node",
             "pools.prefill.resources={prefill: 0.5}",
@@ -113,7 +113,7 @@ def test_fractional_node_labels_start_every_worker_on_a_private_one_host_ray() -
     config = load_config(
         REPO / "configs" / "gpu-1p1d.yaml",
         [
-            "model=shape:smollm2-135m",
+            "model=shape:tiny-llama",
             "transfer.backend=gloo",
             "pools.prefill.replicas=2",
             *(
