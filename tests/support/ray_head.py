@@ -27,6 +27,11 @@ from tests.support.wait import wait_for
 START_TIMEOUT_S = 90.0
 # Room for every replica a test asks for: the head's CPUs are a count for placement only.
 NUM_CPUS = 64
+# The head runs without token authentication, and so must every process that joins it. Set
+# explicitly: ray.init of a private Ray (a test's, in the test process) leaves
+# RAY_AUTH_MODE=token in os.environ, and a deployment started after it inherited that and
+# could create no actor on this head ("Actor creation cancelled").
+CLIENT_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 class RayHead:
@@ -42,8 +47,7 @@ class RayHead:
             f"--num-cpus={NUM_CPUS}", "--num-gpus=0", "--include-dashboard=false",
             "--disable-usage-stats", f"--temp-dir={self.folder}",
         ]  # fmt: skip
-        # Token authentication off: the deployments that join read no token file.
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        env = {**os.environ, **CLIENT_ENV}
         self.process = subprocess.Popen(
             command,
             env=env,
