@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,6 @@ class Deployment:
         self.workers: list[dict[str, Any]] = []
         self.tokenizer: Any = None
         self._next_index: dict[str, int] = {}
-        self._owns_ray = False
         self._store: Any = None
         self._store_addr: StoreAddress | None = None
         self.sealer = Sealer()
@@ -87,7 +87,6 @@ class Deployment:
                 object_store_memory=OBJECT_STORE_BYTES,
                 logging_level=logging.WARNING,
             )
-            self._owns_ray = True
         for signum, handler in handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
@@ -206,16 +205,19 @@ class Deployment:
         self.workers = [w for w in self.workers if w["worker_id"] != worker_id]
 
     def stop(self) -> None:
-        """Stop the workers and Ray; safe to call after a partial start."""
-        if not self.replicas and not self._owns_ray:
+        """Stop the workers, and Ray when this process started it (a joined cluster only loses
+        this driver); safe to call after a partial start."""
+        if not self.replicas and "ray" not in sys.modules:
             return
         import ray
 
         for worker_id in list(self.replicas):
             self.remove_replica(worker_id)
-        if self._owns_ray:
+        # A joined cluster is left running, but this driver disconnects here too: left to
+        # Ray's exit hook, its shutdown met the server's other threads at interpreter exit
+        # and the process aborted (SIGABRT) after a clean stop.
+        if ray.is_initialized():
             ray.shutdown()
-            self._owns_ray = False
         self._store = None
 
 
