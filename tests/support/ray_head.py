@@ -15,13 +15,13 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
+from tests.support.ports import free_port
 from tests.support.wait import wait_for
 
 START_TIMEOUT_S = 90.0
@@ -38,7 +38,7 @@ class RayHead:
     def __init__(self) -> None:
         # Ray's sockets live under the folder: a short path keeps them within 107 bytes.
         self.folder = Path(tempfile.mkdtemp(prefix="ssray-", dir="/tmp"))
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.lines: list[str] = []
         ray = Path(sys.executable).with_name("ray")
@@ -102,12 +102,6 @@ def address() -> str:
             _head = RayHead()
             atexit.register(_head.stop)
         return _head.address
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _processes_naming(text: str) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.support import ray_head
+from tests.support.ports import free_port
 from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,12 +32,6 @@ class ServerProcess:
     @property
     def api(self) -> str:
         return f"{self.url}/v1"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def metric(url: str, name: str) -> float:
