@@ -38,12 +38,12 @@ class RayHead:
     def __init__(self) -> None:
         # Ray's sockets live under the folder: a short path keeps them within 107 bytes.
         self.folder = Path(tempfile.mkdtemp(prefix="ssray-", dir="/tmp"))
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
         self.lines: list[str] = []
         ray = Path(sys.executable).with_name("ray")
         command = [
-            str(ray), "start", "--head", "--block", f"--port={self.port}",
+            str(ray), "start", "--head", "--block", f"--port={port}",
             f"--num-cpus={NUM_CPUS}", "--num-gpus=0", "--include-dashboard=false",
             "--disable-usage-stats", f"--temp-dir={self.folder}",
         ]  # fmt: skip

@@ -71,7 +71,7 @@ def serve(
     """Run `splitserve serve [--config FILE] --set ...` until the block ends, then SIGTERM it
     (exit code 0). The deployment joins the session's Ray head (tests/support/ray_head.py)
     unless ``private_ray``: then it starts its own, as `make serve` does."""
-    env = {}
+    env: dict[str, str] = {}
     if not private_ray:
         overrides = (f"ray.address={ray_head.address()}", *overrides)
         env = ray_head.CLIENT_ENV
@@ -86,15 +86,12 @@ def serve(
 
 
 def _start_ready(
-    overrides: tuple[str, ...],
-    config: str | None = None,
-    env: dict[str, str] | None = None,
-    attempts: int = 3,
+    overrides: tuple[str, ...], config: str | None, env: dict[str, str], attempts: int = 3
 ) -> ServerProcess:
     """Start the server on a free port; a port taken between probe and bind is retried. A
     server that is not ready in time is stopped, not left running after the test."""
     for attempt in range(attempts):
-        server = _start(free_port(), overrides, config, env or {})
+        server = _start(free_port(), overrides, config, env)
         try:
             _wait_ready(server)
             return server
@@ -107,14 +104,14 @@ def _start_ready(
 
 
 def _start(
-    port: int, overrides: tuple[str, ...], config: str | None, env: dict[str, str]
+    port: int, overrides: tuple[str, ...], config: str | None, extra_env: dict[str, str]
 ) -> ServerProcess:
     command = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
     if config is not None:
         command += ["--config", config]
     for item in overrides:
         command += ["--set", item]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
     process = subprocess.Popen(
         command,
         cwd=REPO,
