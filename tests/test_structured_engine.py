@@ -22,6 +22,7 @@ from splitserve.engine.structured.grammar import (
     GrammarCompiler,
     GrammarError,
     parse,
+    settle_compiles,
 )
 from splitserve.engine.structured.matcher import RequestGrammar, apply_masks
 from tests.support.handoff import disaggregated
@@ -132,7 +133,9 @@ def test_a_constraint_that_compiles_too_slowly_is_refused_then_the_next_compiles
     slow = StructuredOutputsParams(regex="[a-z]{1,1200}")  # about 0.2 s on this machine
     with pytest.raises(GrammarError, match=r"regex took longer than 0\.001 s to compile"):
         compiler.compile(slow, timeout_s=0.001)
+    assert settle_compiles(0.0) == 1  # the refused compile goes on in its thread
     assert compiler.compile(StructuredOutputsParams(regex="[0-9]+")) is not None
+    assert settle_compiles(30.0) == 0  # what `splitserve serve` waits for before it exits
 
 
 def test_compiled_grammars_are_cached_by_content(compiler: GrammarCompiler) -> None:

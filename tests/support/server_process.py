@@ -82,7 +82,7 @@ def serve(
         _stop(server.process)
         _drain(server)
     code = server.process.returncode
-    assert code == 0, f"exit code {code}: {server.lines[-10:]}"
+    assert code == 0, f"exit code {code}:\n" + "".join(server.lines[-60:])
 
 
 def _start_ready(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -219,8 +220,13 @@ class GrammarCompiler:
                 done["grammar"] = self._compiler.compile_grammar(grammar)
             except RuntimeError as exc:
                 done["error"] = exc
+            finally:
+                with _RUNNING_LOCK:
+                    _RUNNING.discard(thread)
 
         thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+        with _RUNNING_LOCK:
+            _RUNNING.add(thread)
         thread.start()
         thread.join(timeout_s)
         if thread.is_alive():
@@ -228,3 +234,24 @@ class GrammarCompiler:
         if "error" in done:
             raise GrammarError(f"invalid {_NAMES[kind]}: {_reason(done['error'])}")
         return done["grammar"]
+
+
+_RUNNING: set[threading.Thread] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def settle_compiles(timeout_s: float) -> int:
+    """Wait at most timeout_s for the compiles still running (those refused for time go on in
+    their threads); the number left. A process must not exit normally while one is: at
+    interpreter shutdown the thread is unwound out of xgrammar's native code, which aborts
+    the process (SIGABRT), so the caller leaves with ``os._exit`` instead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _RUNNING_LOCK:
+            running = list(_RUNNING)
+        if not running:
+            return 0
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return len(running)
+        running[0].join(remaining)

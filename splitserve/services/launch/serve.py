@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -21,6 +22,8 @@ from splitserve.config import ConfigError, DeployConfig, load_config
 from splitserve.services.launch.deployment import Deployment, WorkerStartError
 
 READY_TIMEOUT_S = 60.0
+COMPILE_SETTLE_S = 5.0
+"""How long an exit waits for grammar compiles still running (_leave_past_running_compiles)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +73,23 @@ def run(args: argparse.Namespace) -> int:
         deployment.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    _leave_past_running_compiles()
     return 0
+
+
+def _leave_past_running_compiles() -> None:
+    """A constraint refused for its compile time goes on compiling in a thread (xgrammar cannot
+    be interrupted); a normal exit would unwind that thread out of native code and abort. Wait
+    a little for it, then leave without the interpreter's shutdown (everything is stopped)."""
+    grammar = sys.modules.get("splitserve.engine.structured.grammar")
+    if grammar is None:
+        return
+    left = grammar.settle_compiles(COMPILE_SETTLE_S)
+    if left:
+        print(f"splitserve: {left} grammar compile(s) still running; exiting without them")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 async def _serve(deployment: Deployment) -> None:
