@@ -8,8 +8,6 @@ Unknown keys and wrongly typed values are errors that name the offending dotted 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ import yaml
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.spec.config import SpeculativeConfig
+from splitserve.typed_config import ConfigError, build, set_dotted
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 ROLES = ("both", "prefill", "decode", "vision")
@@ -30,11 +29,8 @@ ENGINE_SET_ELSEWHERE = {
     "model": "the deployment's `model`",
     "device": "the pool's `device`",
     "speculative": "the pool's `speculative`",
+    "expert_parallel_size": "the pool's `expert_parallel`",
 }
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot describe a deployment."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +90,10 @@ class PoolConfig:
     )
     speculative: SpeculativeConfig | None = None
     """Speculative decoding of a decode or colocated pool (vLLM's speculative_config keys)."""
+    expert_parallel: int = 1
+    """Decode or colocated pools of a mixture-of-experts model: each replica is a group of
+    this many rank workers, one engine each with its own requests and KV, the experts sharded
+    over them (engine/expert_parallel.py); every rank is a decode slot of the router."""
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
@@ -102,6 +102,15 @@ class PoolConfig:
             f"speculative decoding runs on decode and colocated pools, not {self.role!r} ones",
         )
         _require(self.replicas >= 1, "replicas must be at least 1")
+        _require(self.expert_parallel >= 1, "expert_parallel must be at least 1")
+        _require(
+            self.expert_parallel == 1 or self.role in ("both", "decode"),
+            f"expert_parallel groups run decode and colocated pools, not {self.role!r} ones",
+        )
+        _require(
+            self.expert_parallel == 1 or self.speculative is None,
+            "speculative decoding does not run in expert_parallel groups",
+        )
         _require(self.devices >= 1, "devices must be at least 1")
         _require(self.num_cpus >= 0, "num_cpus must be non-negative")
         _require(self.num_threads >= 0, "num_threads must be non-negative (0 = all cores)")
@@ -269,7 +278,11 @@ class DeployConfig:
     def _complete(self, pool: PoolConfig) -> PoolConfig:
         """``pool`` with its engine's model and device set from the deployment and the pool."""
         engine = dataclasses.replace(
-            pool.engine, model=self.model, device=pool.device, speculative=pool.speculative
+            pool.engine,
+            model=self.model,
+            device=pool.device,
+            speculative=pool.speculative,
+            expert_parallel_size=pool.expert_parallel,
         )
         return dataclasses.replace(pool, engine=engine)
 
@@ -292,75 +305,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
         set_dotted(raw, key.strip(), yaml.safe_load(value))
     return build(DeployConfig, raw, "")
-
-
-def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``raw[a][b][c] = value`` for ``key == "a.b.c"``, creating mappings on the way."""
-    node = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])} is not a mapping")
-        node = child
-    node[parts[-1]] = value
-
-
-def build(cls: type, raw: Any, path: str) -> Any:
-    """Turn a YAML mapping into the dataclass ``cls``, checking names and types."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ConfigError(f"unknown key {_join(path, str(unknown[0]))} (known: {sorted(names)})")
-    _check_set_elsewhere(cls, raw, path)
-    values = {name: _coerce(hints[name], value, _join(path, name)) for name, value in raw.items()}
-    try:
-        return cls(**values)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path or 'config'}: {exc}") from exc
-
-
-def _check_set_elsewhere(cls: type, raw: Mapping[str, Any], path: str) -> None:
-    """A field's metadata "set_elsewhere" names keys of its mapping that the config fills in."""
-    for f in dataclasses.fields(cls):
-        value = raw.get(f.name)
-        for key, source in f.metadata.get("set_elsewhere", {}).items():
-            if isinstance(value, Mapping) and key in value:
-                raise ConfigError(f"{_join(path, f.name)}.{key} cannot be set: it is {source}")
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return build(tp, {} if value is None else value, path)  # type: ignore[arg-type]
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, path)
-    if origin is Mapping or origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{path} must be a mapping")
-        return {str(k): _coerce(args[1], v, _join(path, str(k))) for k, v in value.items()}
-    if origin is tuple:
-        items = [] if value is None else value
-        if not isinstance(items, list | tuple):
-            raise ConfigError(f"{path} must be a list")
-        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(items))
-    return _scalar(tp, value, path)
-
-
-def _scalar(tp: Any, value: Any, path: str) -> Any:
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
-        return str(value)
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{path} must be {tp.__name__}, got {value!r}")
-    return value
 
 
 def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:
@@ -388,10 +332,6 @@ def _check_roles(roles: list[str]) -> None:
         f"one vision pool and no `both` pool (got roles {sorted(roles)}); a colocated one has "
         "only `both` pools",
     )
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def _require(ok: bool, message: str) -> None:

@@ -85,12 +85,12 @@ def test_pool_engine_overrides_reach_the_engine_config_of_that_pool_only() -> No
 def test_a_pool_engine_takes_every_engine_config_field_but_those_set_elsewhere(
     tmp_path: Path,
 ) -> None:
-    """model and device come from the deployment and the pool; speculative from the pool's
-    own ``speculative`` section."""
+    """model and device come from the deployment and the pool; speculative and
+    expert_parallel_size from the pool's own ``speculative`` and ``expert_parallel``."""
     settable = {
         f.name: getattr(EngineConfig(), f.name)
         for f in dataclasses.fields(EngineConfig)
-        if f.name not in ("model", "device", "speculative")
+        if f.name not in ("model", "device", "speculative", "expert_parallel_size")
     }
     assert {"cuda_graph_max_batch", "overlap_scheduling", "seed"} <= set(settable)
     path = tmp_path / "deploy.yaml"
@@ -175,3 +175,16 @@ def test_unreadable_and_invalid_files_are_config_errors(tmp_path: Path) -> None:
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping at the top level"):
         load_config(bad)
+
+
+def test_expert_parallel_is_the_pools_and_runs_decode_and_colocated_pools_only() -> None:
+    config = load_config(None, ["pools.decode.expert_parallel=4"])
+    assert config.pools["decode"].expert_parallel == 4
+    assert config.engine_config("decode").expert_parallel_size == 4
+    assert config.engine_config("prefill").expert_parallel_size == 1
+    with pytest.raises(ConfigError, match="expert_parallel groups run decode and colocated"):
+        load_config(None, ["pools.prefill.expert_parallel=2"])
+    with pytest.raises(ConfigError, match="expert_parallel must be at least 1"):
+        load_config(None, ["pools.decode.expert_parallel=0"])
+    with pytest.raises(ConfigError, match="it is the pool's `expert_parallel`"):
+        load_config(None, ["pools.decode.engine.expert_parallel_size=2"])

@@ -13,7 +13,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 from splitserve.config import load_config
-from splitserve.services.launch.deployment import Deployment, local_label_totals, wait_placed
+from splitserve.services.launch.deployment import (
+    Deployment,
+    bundles_by_node,
+    local_label_totals,
+    wait_placed,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_MEMORY = 80 << 20
@@ -91,6 +96,57 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
         assert actor_node(deployment.replicas["decode-2"].actor) == nodes["decode"]
     finally:
         deployment.stop()
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_group_spans_nodes_with_its_ranks_numbered_node_by_node(
+    cluster: tuple[Cluster, dict[str, str]],
+) -> None:
+    """A decode group of 4 ranks on two decode nodes (2 ranks fit on each): one placement
+    group, ranks 0-1 on one node and 2-3 on the other, each bound on its own node's address;
+    every rank started, so the 4 engines formed their group across the nodes."""
+    ray_cluster, nodes = cluster
+    second = ray_cluster.add_node(
+        num_cpus=1, resources={"decode": 1}, object_store_memory=NODE_MEMORY
+    )
+    ray_cluster.wait_for_nodes()
+    config = load_config(
+        None,
+        [
+            "model=shape:tiny-mixtral",
+            f"ray.address={ray_cluster.address}",
+            "server.internal_host=node",
+            "pools.prefill.resources={prefill: 0.5}",
+            "pools.decode.resources={decode: 0.5}",
+            "pools.decode.expert_parallel=4",
+            "pools.prefill.num_cpus=0.1",
+            "pools.decode.num_cpus=0.1",
+            f"pools.prefill.engine={TINY_ENGINE}",
+            f"pools.decode.engine={TINY_ENGINE}",
+        ],
+    )
+    deployment = Deployment(config)
+    try:
+        deployment.start_ray()
+        deployment.start_workers()
+        ranks = [deployment.replicas[f"decode-0.{r}"] for r in range(4)]
+        assert len({id(r.placement_group) for r in ranks}) == 1
+        placed = [actor_node(r.actor) for r in ranks]
+        assert placed[0] == placed[1] and placed[2] == placed[3]
+        assert {placed[0], placed[2]} == {nodes["decode"], second.node_id}
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        bound = {w["worker_id"]: w["request_addr"] for w in deployment.workers}
+        for rank, node in enumerate(placed):
+            assert bound[f"decode-0.{rank}"].startswith(f"tcp://{addresses[node]}:")
+        deployment.remove_replica("decode-0.2")  # a rank's removal takes its whole group
+        assert sorted(w["worker_id"] for w in deployment.workers) == ["prefill-0"]
+    finally:
+        deployment.stop()
+
+
+def test_bundles_are_ranked_node_by_node_in_the_order_nodes_first_appear() -> None:
+    assert bundles_by_node(["a", "b", "a", "c", "b", "a"]) == [0, 2, 5, 1, 4, 3]
+    assert bundles_by_node(["a"]) == [0]
 
 
 def test_a_private_ray_offers_each_label_its_replicas_demand_rounded_up_to_whole_units() -> None:

@@ -11,7 +11,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.support.reference import assert_greedy_equal, hf_greedy
-from tests.support.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_mixtral, tiny_model, tiny_qwen3_moe
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -87,36 +87,12 @@ def _tiny_mistral(tokenizer: Any, path: Path) -> tuple[Any, str]:
     )
 
 
-def _tiny_mixtral(tokenizer: Any, path: Path) -> tuple[Any, str]:
-    """8 experts, top-2, renormalized router."""
-    return tiny_model(
-        tokenizer, path, "mixtral", seed=3, num_local_experts=8, num_experts_per_tok=2
-    )
-
-
-def _tiny_qwen3_moe(tokenizer: Any, path: Path) -> tuple[Any, str]:
-    """q/k norms, 8 experts of 48, top-3 without renormalization, layer 1 a dense MLP."""
-    return tiny_model(
-        tokenizer,
-        path,
-        "qwen3_moe",
-        seed=4,
-        num_experts=8,
-        num_experts_per_tok=3,
-        moe_intermediate_size=48,
-        norm_topk_prob=False,
-        mlp_only_layers=[1],
-        head_dim=32,
-        num_hidden_layers=3,
-    )
-
-
 TINY_BUILDERS = {
     "llama": _tiny_llama,
     "qwen2": _tiny_qwen2,
     "mistral": _tiny_mistral,
-    "mixtral": _tiny_mixtral,
-    "qwen3_moe": _tiny_qwen3_moe,
+    "mixtral": tiny_mixtral,
+    "qwen3_moe": tiny_qwen3_moe,
 }
 
 

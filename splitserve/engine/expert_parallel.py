@@ -103,14 +103,37 @@ class ExpertParallel:
     def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """All-to-all of rows: ``send[r]`` rows to rank r, ``recv[r]`` rows from it."""
         out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
+        self._all_to_all(out, rows.contiguous(), recv, send)
         return out
 
     def counts(self, send: torch.Tensor) -> list[int]:
         """Each rank's row count for this rank, given this rank's ``send`` [size]."""
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        self._all_to_all(recv, send, [1] * self.size, [1] * self.size)
         return recv.tolist()
+
+    def _all_to_all(
+        self, out: torch.Tensor, rows: torch.Tensor, recv: list[int], send: list[int]
+    ) -> None:
+        if self.group is None:
+            dist.all_to_all_single(out, rows, recv, send)
+        else:  # a group formed by its members (GroupMember): the backend's own call
+            self.group.alltoall_base(out, rows, recv, send, dist.AllToAllOptions()).wait()
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """This process's place in an expert-parallel group that its worker formed through the
+    deployment's rendezvous store (services/workers/); without one, an engine with
+    ``expert_parallel_size > 1`` uses the default torch.distributed group."""
+
+    rank: int
+    group: Any
+    """A torch.distributed process group (the backend's object)."""
+
+    @property
+    def size(self) -> int:
+        return int(self.group.size())
 
 
 def any_unfinished(engine: LLMEngine, ep: ExpertParallel) -> bool:

@@ -39,6 +39,7 @@ from splitserve.kvstore.hashing import hash_root
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
+    from splitserve.engine.expert_parallel import GroupMember
     from splitserve.engine.structured.grammar import GrammarCompiler
     from splitserve.engine.structured.matcher import RequestGrammar
 
@@ -55,6 +56,7 @@ class LLMEngine:
         tokenizer: Any = None,
         block_store: BlockCache | None = None,
         cache_events: CacheEvents | None = None,
+        expert_group: GroupMember | None = None,
     ) -> None:
         self.config = config
         self.model_name = config.model
@@ -68,7 +70,9 @@ class LLMEngine:
             config, self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
         weights = None if is_random_shape(path) else path
-        self.runner = ModelRunner(config, self.model_config, weights, self.max_model_len)
+        self.runner = ModelRunner(
+            config, self.model_config, weights, self.max_model_len, expert_group
+        )
         dtype = str(self.runner.dtype).removeprefix("torch.")
         root = hash_root(config.model, dtype, config.block_size)
         self.block_manager = BlockManager(

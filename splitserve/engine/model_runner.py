@@ -12,6 +12,7 @@ from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.expert_parallel import GroupMember
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
 from splitserve.engine.layers.block_linear import to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
@@ -48,8 +49,12 @@ class ModelRunner:
         model_config: ModelConfig,
         weights_path: str | None,
         max_model_len: int,
+        expert_group: GroupMember | None = None,
     ) -> None:
+        """expert_group: this engine's place in an expert-parallel group its worker formed
+        (engine/expert_parallel.py); None: the default torch.distributed group, if any."""
         self.config = config
+        self.expert_group = expert_group
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
@@ -91,7 +96,9 @@ class ModelRunner:
             loaded = nullcontext() if weights_path is None else _uninitialized_parameters()
             with torch.random.fork_rng(devices), torch.device(self.device), loaded:
                 torch.manual_seed(self.config.seed)
-                model = model_class(cfg)(cfg, backend, **expert_parallel(self.config, cfg))
+                model = model_class(cfg)(
+                    cfg, backend, **expert_parallel(self.config, cfg, self.expert_group)
+                )
         finally:
             torch.set_default_dtype(previous)
         if weights_path is not None:

@@ -214,20 +214,7 @@ class KVTransport:
         return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)
 
     def _new_group(self, store: Any, rank: int) -> Any:
-        if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, rank, 2, self.timeout)
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            return dist.ProcessGroupNCCL(store, rank, 2, options)
-        if self.backend == "hccl":
-            import torch_npu
-
-            hccl = torch_npu._C._distributed_c10d.ProcessGroupHCCL
-            options = hccl.Options()
-            options._timeout = self.timeout
-            return hccl(store, rank, 2, options)
-        raise ValueError(f"unknown KV transport backend {self.backend!r}")
+        return new_group(self.backend, store, rank, 2, self.timeout)
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """Gloo moves CPU tensors: stage device tensors through host memory."""
@@ -254,3 +241,46 @@ class KVTransport:
             if time.monotonic() > deadline:
                 raise TransferError(f"transfer with {peer} timed out")
             time.sleep(POLL_S)
+
+
+def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A process group of ``size`` ranks over ``store`` (a scoped store: the group's own keys);
+    blocks until every rank has joined or ``timeout`` has passed (RuntimeError)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if backend == "hccl":
+        import torch_npu
+
+        hccl = torch_npu._C._distributed_c10d.ProcessGroupHCCL
+        options = hccl.Options()
+        options._timeout = timeout
+        return hccl(store, rank, size, options)
+    raise ValueError(f"unknown KV transport backend {backend!r}")
+
+
+def collective_group(
+    address: StoreAddress,
+    name: str,
+    rank: int,
+    size: int,
+    device: torch.device,
+    backend: str = "auto",
+    timeout_s: float = 30.0,
+    key: bytes | None = None,
+) -> Any:
+    """The process group ``name`` of ``size`` processes, formed through the rendezvous store
+    at ``address`` when each of them calls this with its rank (an expert-parallel group:
+    engine/expert_parallel.py). ``key`` signs the rendezvous values as KVTransport's do."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
+    scoped = SignedStore(store, key, name) if key is not None else dist.PrefixStore(name, store)
+    try:
+        return new_group(pick_backend(backend, device), scoped, rank, size, timeout)
+    except RuntimeError as exc:
+        raise TransferError(
+            f"cannot form the group {name} as rank {rank} of {size}: {exc}"
+        ) from exc

@@ -55,3 +55,27 @@ def tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model, str(path)
+
+
+def tiny_mixtral(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    """8 experts, top-2, renormalized router."""
+    return tiny_model(
+        tokenizer, path, "mixtral", seed=3, num_local_experts=8, num_experts_per_tok=2
+    )
+
+
+def tiny_qwen3_moe(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    """q/k norms, 8 experts of 48, top-3 without renormalization, layer 1 a dense MLP."""
+    return tiny_model(
+        tokenizer,
+        path,
+        "qwen3_moe",
+        seed=4,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        head_dim=32,
+        num_hidden_layers=3,
+    )

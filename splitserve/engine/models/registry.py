@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.expert_parallel import ExpertParallel
+from splitserve.engine.expert_parallel import ExpertParallel, GroupMember
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.mixtral import MixtralForCausalLM
@@ -26,20 +27,34 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     return MODEL_CLASSES[cfg.architecture]
 
 
-def expert_parallel(config: EngineConfig, cfg: ModelConfig) -> dict[str, Any]:
-    """The model's keyword arguments for expert parallelism (none without it): this
-    process's rank of the default torch.distributed group, with the config's placement."""
+def expert_parallel(
+    config: EngineConfig, cfg: ModelConfig, member: GroupMember | None = None
+) -> dict[str, Any]:
+    """The model's keyword arguments for expert parallelism (none without it): this process's
+    rank of ``member``'s group (default: the default torch.distributed group), with the
+    config's placement."""
     if config.expert_parallel_size == 1:
         return {}
     import torch.distributed as dist
 
     if cfg.moe is None:
         raise ValueError("expert_parallel_size > 1 needs a mixture-of-experts model")
-    if not dist.is_initialized() or dist.get_world_size() != config.expert_parallel_size:
+    size = config.expert_parallel_size
+    if member is not None:
+        if member.size != size:
+            raise ValueError(f"expert_parallel_size {size} but a group of {member.size}")
+        rank, group = member.rank, member.group
+    elif not dist.is_initialized() or dist.get_world_size() != size:
         raise ValueError("expert parallelism needs torch.distributed initialized with its size")
-    rank, size = dist.get_rank(), config.expert_parallel_size
+    else:
+        rank, group = dist.get_rank(), None
     if config.expert_slots is None:
-        return {"ep": ExpertParallel.contiguous(rank, size, cfg.moe.num_experts)}
+        return {
+            "ep": dataclasses.replace(
+                ExpertParallel.contiguous(rank, size, cfg.moe.num_experts), group=group
+            )
+        }
     slots = torch.tensor(config.expert_slots)
     shares = config.expert_shares or tuple(tuple(1.0 for _ in row) for row in config.expert_slots)
-    return {"ep": ExpertParallel(rank, size, slots, torch.tensor(shares, dtype=torch.float64))}
+    shares_t = torch.tensor(shares, dtype=torch.float64)
+    return {"ep": ExpertParallel(rank, size, slots, shares_t, group)}

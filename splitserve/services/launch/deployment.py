@@ -77,7 +77,8 @@ class Deployment:
         if self.config.ray.address is not None:
             ray.init(address=self.config.ray.address, logging_level=logging.WARNING)
         else:
-            needed = math.ceil(sum(p.num_cpus * p.replicas for p in self.config.pools.values()))
+            pools = self.config.pools.values()
+            needed = math.ceil(sum(p.num_cpus * p.replicas * p.expert_parallel for p in pools))
             # "local": always a new instance, never a cluster that `ray start` left running here.
             ray.init(
                 address="local",
@@ -94,18 +95,21 @@ class Deployment:
     def start_workers(self) -> None:
         """Every pool's configured replicas (after start_ray)."""
         config = self.config
-        if config.disaggregated:
+        groups = any(p.expert_parallel > 1 for p in config.pools.values())
+        if config.disaggregated or groups:  # the KV transport's and the groups' rendezvous
             from splitserve.kvstore.transfer import start_store
 
             self._store, self._store_addr = start_store(_driver_host(config.server.internal_host))
         # Every pool's replicas are placed first and started together: their processes load
         # their engines side by side instead of one pool after the other.
-        self._start([self._place(n) for n, p in config.pools.items() for _ in range(p.replicas)])
+        placed = [self._place(n) for n, p in config.pools.items() for _ in range(p.replicas)]
+        self._start([replica for ranks in placed for replica in ranks])
 
     def add_replicas(self, counts: Mapping[str, int]) -> list[dict[str, Any]]:
         """Place and start ``counts[name]`` new replicas of each pool, all started together;
         returns (and keeps) their WorkerInfo dicts."""
-        return self._start([self._place(n) for n, count in counts.items() for _ in range(count)])
+        placed = [self._place(n) for n, count in counts.items() for _ in range(count)]
+        return self._start([replica for ranks in placed for replica in ranks])
 
     def _start(self, started: list[Replica]) -> list[dict[str, Any]]:
         """Start placed replicas and wait for all of them; on a failure, remove them all."""
@@ -122,24 +126,22 @@ class Deployment:
         self.workers += infos
         return infos
 
-    def _place(self, name: str) -> Replica:
+    def _place(self, name: str) -> list[Replica]:
         """One replica of pool ``name`` in a placement group of its own (one bundle: its CPUs,
-        GPUs and the pool's custom resources), so that removing it frees exactly its share."""
-
+        GPUs and the pool's custom resources), so that removing it frees exactly its share.
+        A replica of an ``expert_parallel: N`` pool is a group of N rank workers, one bundle
+        each, in one placement group (ranks numbered node by node)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from splitserve.services.workers.base import worker_class
-        from splitserve.services.workers.spec import WorkerSpec
 
         pool = self.config.pools[name]
-        caches = pool.role in ("prefill", "both")  # the engines that load and publish prefixes
         index = self._next_index.get(name, 0)
         self._next_index[name] = index + 1
-        worker_id = f"{name}-{index}"
+        replica_id = f"{name}-{index}"
         bundle = pool.bundle() or {"CPU": MIN_BUNDLE_CPU}
-        group = placement_group([bundle], strategy="PACK", name=f"ss-{worker_id}")
+        size = pool.expert_parallel
+        # PACK: the ranks of a group fill a node before the next (its all-to-all stays local).
+        group = placement_group([bundle] * size, strategy="PACK", name=f"ss-{replica_id}")
         placed = group.ready()
 
         def ready(seconds: float) -> bool:
@@ -150,12 +152,34 @@ class Deployment:
             return True
 
         timeout_s = self.config.ray.placement_timeout_s
-        if not wait_placed(ready, timeout_s, f"{worker_id} ({bundle})"):
+        what = f"{replica_id} ({size} x {bundle})" if size > 1 else f"{replica_id} ({bundle})"
+        if not wait_placed(ready, timeout_s, what):
             remove_placement_group(group)
             raise WorkerStartError(
-                f"pool {name}: no room for {worker_id} ({bundle}) in the Ray cluster after "
+                f"pool {name}: no room for {what} in the Ray cluster after "
                 f"{timeout_s:g} s (ray.placement_timeout_s)"
             )
+        if size == 1:
+            return [self._actor(name, replica_id, group, 0, None)]
+        from splitserve.services.workers.spec import ExpertGroup
+
+        return [
+            self._actor(name, f"{replica_id}.{rank}", group, b, ExpertGroup(replica_id, rank, size))
+            for rank, b in enumerate(bundles_by_node(_bundle_nodes(group)))
+        ]
+
+    def _actor(
+        self, name: str, worker_id: str, group: Any, bundle: int, expert_group: Any
+    ) -> Replica:
+        """The worker actor of ``worker_id`` on bundle ``bundle`` of the placement group."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from splitserve.services.workers.base import worker_class
+        from splitserve.services.workers.spec import WorkerSpec
+
+        pool = self.config.pools[name]
+        caches = pool.role in ("prefill", "both")  # the engines that load and publish prefixes
         actor = (
             ray.remote(worker_class(pool.role))
             .options(
@@ -165,14 +189,14 @@ class Deployment:
                 num_cpus=pool.num_cpus,
                 num_gpus=pool.num_gpus,
                 resources=dict(pool.resources),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
             )
             .remote(
                 WorkerSpec(
                     worker_id=worker_id,
                     role=pool.role,
                     engine=_worker_engine_config(self.config, name),
-                    bind_host=_bundle_host(self.config.server.internal_host, group),
+                    bind_host=_bundle_host(self.config.server.internal_host, group, bundle),
                     threads=pool.num_threads or os.cpu_count() or 1,
                     transfer=self.config.transfer,
                     store=self._store_addr,
@@ -180,6 +204,7 @@ class Deployment:
                     kv_store=self.config.kv_store if caches else None,
                     images=self.config.images,
                     sealer=self.sealer,
+                    expert_group=expert_group,
                 )
             )
         )
@@ -192,17 +217,22 @@ class Deployment:
         self.workers = [*others, info]
 
     def remove_replica(self, worker_id: str) -> None:
-        """Stop one worker, kill its actor and give its placement group back."""
+        """Stop one worker, kill its actor and give its placement group back; for a rank of an
+        expert-parallel group, the whole group (its ranks share the placement group)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        replica = self.replicas.pop(worker_id)
-        with suppress(ray.exceptions.RayError):
-            ray.get(replica.actor.stop.remote(), timeout=10)
-        ray.kill(replica.actor)
+        group = self.replicas[worker_id].placement_group
+        members = [r for r in self.replicas.values() if r.placement_group is group]
+        for replica in members:
+            del self.replicas[replica.worker_id]
+            with suppress(ray.exceptions.RayError):
+                ray.get(replica.actor.stop.remote(), timeout=10)
+            ray.kill(replica.actor)
         with suppress(Exception):
-            remove_placement_group(replica.placement_group)
-        self.workers = [w for w in self.workers if w["worker_id"] != worker_id]
+            remove_placement_group(group)
+        gone = {r.worker_id for r in members}
+        self.workers = [w for w in self.workers if w["worker_id"] not in gone]
 
     def stop(self) -> None:
         """Stop the workers, and Ray when this process started it (a joined cluster only loses
@@ -212,7 +242,8 @@ class Deployment:
         import ray
 
         for worker_id in list(self.replicas):
-            self.remove_replica(worker_id)
+            if worker_id in self.replicas:  # not gone with its group
+                self.remove_replica(worker_id)
         # A joined cluster is left running, but this driver disconnects here too: left to
         # Ray's exit hook, its shutdown met the server's other threads at interpreter exit
         # and the process aborted (SIGABRT) after a clean stop.
@@ -232,7 +263,7 @@ def local_label_totals(pools: Mapping[str, PoolConfig]) -> dict[str, float]:
     demand: dict[str, float] = {}
     for pool in pools.values():
         for label, amount in pool.resources.items():
-            demand[label] = demand.get(label, 0.0) + amount * pool.replicas
+            demand[label] = demand.get(label, 0.0) + amount * pool.replicas * pool.expert_parallel
     return {label: float(math.ceil(round(total, 4))) for label, total in demand.items()}
 
 
@@ -278,15 +309,31 @@ def wait_placed(
             )
 
 
-def _bundle_host(host: str, group: Any) -> str:
-    """Where a worker placed in ``group`` binds: server.internal_host, or with "node" the
-    address of the node that holds the group's bundle (workers on other nodes reach it)."""
+def _bundle_nodes(group: Any) -> list[str]:
+    """The node id of each bundle of a placed placement group."""
+    from ray.util import placement_group_table
+
+    nodes = placement_group_table(group)["bundles_to_node_id"]
+    return [nodes[i] for i in range(len(nodes))]
+
+
+def bundles_by_node(nodes: list[str]) -> list[int]:
+    """Bundle indices in rank order: the bundles of one node together, nodes in the order of
+    their first bundle, so that a group's consecutive ranks share a node (EPLB packs experts
+    within nodes first: splitserve/eplb/)."""
+    first = {node: nodes.index(node) for node in nodes}
+    return sorted(range(len(nodes)), key=lambda i: (first[nodes[i]], i))
+
+
+def _bundle_host(host: str, group: Any, bundle: int = 0) -> str:
+    """Where a worker placed on bundle ``bundle`` of ``group`` binds: server.internal_host, or
+    with "node" the address of the node that holds that bundle (workers on other nodes reach
+    it)."""
     if host != NODE_HOST:
         return host
     import ray
-    from ray.util import placement_group_table
 
-    node_id = placement_group_table(group)["bundles_to_node_id"][0]
+    node_id = _bundle_nodes(group)[bundle]
     return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 

@@ -51,6 +51,8 @@ class Scaler:
             name = key if key in self.config.pools else by_role.get(key)
             if name is None:
                 raise ScaleError(f"no pool or role named {key!r} (pools: {list(self.pools())})")
+            if self.config.pools[name].expert_parallel > 1:
+                raise ScaleError(f"{key}: live scaling of expert_parallel pools is not built")
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ScaleError(f"{key}: replicas must be an integer >= 1, got {count!r}")
             targets[name] = count

@@ -210,6 +210,10 @@ class Worker(ABC):
                     self._crashed(exc)
                     return
                 self._recover(exc, self._failed_round())
+        self._leave()
+
+    def _leave(self) -> None:  # noqa: B027 (optional: only a rank of a group has to)
+        """After the loop stopped on purpose (``stop``): tell whoever steps with this loop."""
 
     def _recover(self, exc: Exception, request_ids: list[str]) -> None:
         """A round or a message raised: log it, fail (and drop) only the requests it concerns

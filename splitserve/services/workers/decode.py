@@ -66,7 +66,7 @@ class DecodeWorker(EngineWorker):
         )
 
     def _poll_ms(self) -> int:
-        if self.engine.has_unfinished_requests():
+        if self._busy():
             return 0
         return PENDING_POLL_MS if self._reserved or self._waiting else super()._poll_ms()
 
@@ -154,8 +154,7 @@ class DecodeWorker(EngineWorker):
         outputs = self._adopt_received()
         self._expire()
         self.phases.lap("adopt")
-        if self.engine.has_unfinished_requests():
-            outputs += self._step()
+        outputs += self._step()
         self._send_outputs(outputs)
 
     def _adopt_received(self) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ from typing import Any
 from splitserve.engine.request import Logprob, RequestOutput
 from splitserve.services import messages as msg
 from splitserve.services.workers.base import Worker
+from splitserve.services.workers.expert_group import Lockstep, join_group
 from splitserve.services.workers.grammar_waits import GrammarWaits
 from splitserve.services.workers.spec import WorkerSpec
 from splitserve.services.workers.worker_cache import WorkerCache
@@ -34,11 +35,14 @@ class EngineWorker(Worker):
         """Requests whose tokens this worker streams: (text length, tokens) sent so far."""
         self._prefill_rate = 0.0
         self._transfer_seconds: queue.Queue[float] = queue.Queue()
+        self.lockstep: Lockstep | None = None
+        """Set for a rank of an expert-parallel group (services/workers/expert_group.py)."""
 
     def _load(self) -> None:
         from splitserve.engine.llm_engine import LLMEngine
 
         spec = self.spec
+        member = join_group(spec) if spec.expert_group is not None else None
         if spec.prefix_index is not None and spec.kv_store is not None:
             self.cache = WorkerCache(
                 self.worker_id,
@@ -47,16 +51,25 @@ class EngineWorker(Worker):
                 lambda: list(self.engine.block_manager.cached),
             )
             self.engine = LLMEngine(
-                spec.engine, block_store=self.cache.blocks, cache_events=self.cache.events
+                spec.engine,
+                block_store=self.cache.blocks,
+                cache_events=self.cache.events,
+                expert_group=member,
             )
         else:
-            self.engine = LLMEngine(spec.engine)
+            self.engine = LLMEngine(spec.engine, expert_group=member)
+        if spec.expert_group is not None:
+            self.lockstep = Lockstep(self.engine, spec.expert_group.name, self._stop)
         self.grammars = GrammarWaits(self.engine.compile_grammar)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         warm_up = self.engine.runner.warm_up_seconds
         if warm_up:
             print(f"worker {self.worker_id}: kernels warmed up in {warm_up:.1f} s", flush=True)
+
+    def _leave(self) -> None:
+        if self.lockstep is not None:
+            self.lockstep.leave()
 
     def stop(self) -> None:
         super().stop()
@@ -70,8 +83,13 @@ class EngineWorker(Worker):
             for update in self.cache.tick():
                 self._send(update)
 
+    def _busy(self) -> bool:
+        """Work for the next round: this engine's requests, or its group's."""
+        group_busy = self.lockstep is not None and self.lockstep.busy
+        return group_busy or self.engine.has_unfinished_requests()
+
     def _poll_ms(self) -> int:
-        if self.engine.has_unfinished_requests():
+        if self._busy():
             return 0
         return GRAMMAR_POLL_MS if self.grammars.held() else super()._poll_ms()
 
@@ -125,12 +143,16 @@ class EngineWorker(Worker):
         self._send_outputs(self._step())
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step (if there is work), measuring the prompt throughput."""
-        if not self.engine.has_unfinished_requests():
+        """One engine step (if there is work), measuring the prompt throughput. A rank of an
+        expert-parallel group steps whenever any rank of the group has work."""
+        if self.lockstep is not None:
+            if not self.lockstep.any_busy():
+                return []
+        elif not self.engine.has_unfinished_requests():
             return []
         computed, start = self.engine.prompt_tokens_computed, time.monotonic()
         self.phases.lap("worker")
-        outputs = self.engine.step()
+        outputs = self.lockstep.step() if self.lockstep is not None else self.engine.step()
         self.phases.start()  # the engine timed its step itself (engine.phases)
         tokens = self.engine.prompt_tokens_computed - computed
         if tokens:

@@ -16,6 +16,16 @@ from splitserve.services.sealing import Sealer
 
 
 @dataclass(frozen=True)
+class ExpertGroup:
+    """A worker's place in an expert-parallel group: rank ``rank`` of ``size``, the group
+    named ``name`` (its replica's id) on the deployment's rendezvous store."""
+
+    name: str
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """One worker replica.
 
@@ -25,6 +35,7 @@ class WorkerSpec:
     workers; None leaves it out). images: the deployment's image limits (vision workers).
     sealer: the deployment's secret, which every message to and from the worker is sealed
     with (services/sealing.py); a spec built without one gets a random secret of its own.
+    expert_group: its rank in an expert-parallel group (None: a replica of its own).
     """
 
     worker_id: str
@@ -38,3 +49,4 @@ class WorkerSpec:
     kv_store: KVStoreConfig | None = None
     images: ImagesConfig = field(default_factory=ImagesConfig)
     sealer: Sealer = field(default_factory=Sealer)
+    expert_group: ExpertGroup | None = None
