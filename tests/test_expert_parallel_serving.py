@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
 from tests.support.reference import assert_greedy_equal, hf_greedy
-from tests.support.server_process import ServerProcess, serve
+from tests.support.server_process import ServerProcess, serve, worker_pids
 from tests.support.tiny_models import tiny_mixtral, tiny_qwen3_moe
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +97,102 @@ async def _complete_all(server: ServerProcess, model: str, prompts: list[list[in
 
 def _decode_workers(server: ServerProcess) -> set[str]:
     """The decode worker of each request, from the server's request log lines."""
+    return {json.loads(line)["decode_worker"] for line in _request_lines(server)}
+
+
+def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_comes_back(
+    checkpoints: dict[str, tuple[Any, str, list[list[int]]]], prompts: list[list[int]]
+) -> None:
+    """Two decode groups of 2 ranks. SIGKILL one rank while every group streams: the requests
+    of both its ranks continue on the other group (migration) with the text of an
+    uninterrupted run; the group is restarted whole (both ranks, a new generation) and
+    decodes again."""
+    _, path, _ = checkpoints["mixtral"]
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True)
+    llm = LLM(model=path, max_model_len=512, block_size=16)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    short = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    expected_short = [o.outputs[0].text for o in llm.generate(prompts, short, use_tqdm=False)]
+    with serve(
+        f"model={path}",
+        "pools.decode.replicas=2",
+        "pools.decode.expert_parallel=2",
+        "pools.prefill.num_cpus=0.1",
+        "pools.decode.num_cpus=0.1",
+        "pools.prefill.engine.kv_cache_bytes=8388608",
+        "pools.decode.engine.kv_cache_bytes=8388608",
+        "router.policy=least_loaded",
+    ) as server:
+        pid = worker_pids(server)["decode-0.1"]
+        texts = asyncio.run(_stream_all_killing(server, path, prompts, pid))
+        assert texts == expected
+        migrated = _migrations(server)
+        assert set(migrated) == {"decode-0.0", "decode-0.1"}, migrated
+        wait_for(
+            lambda: _restarted(server) >= {"decode-0.0", "decode-0.1"},
+            60,
+            message="both ranks of decode-0 restarted",
+        )
+        wait_for(lambda: _ready(server), 30, message="every worker back in the pool")
+        before = len(_request_lines(server))
+        again = asyncio.run(_complete_all(server, path, prompts))
+        decoders = {json.loads(line)["decode_worker"] for line in _request_lines(server)[before:]}
+    assert again == expected_short
+    assert {"decode-0.0", "decode-0.1"} <= decoders, f"decoded on {sorted(decoders)}"
+
+
+LONG_TOKENS = 120
+
+
+async def _stream_all_killing(
+    server: ServerProcess, model: str, prompts: list[list[int]], pid: int
+) -> list[str]:
+    """Stream every prompt at once; once each has streamed a few tokens, SIGKILL ``pid``."""
+    client = openai.AsyncOpenAI(base_url=server.api, api_key="unused", max_retries=0)
+    started = [asyncio.Event() for _ in prompts]
+
+    async def one(i: int) -> str:
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompts[i],
+            max_tokens=LONG_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = []
+        async for chunk in stream:
+            text.append(chunk.choices[0].text if chunk.choices else "")
+            if len(text) >= 3:
+                started[i].set()
+        return "".join(text)
+
+    async def kill() -> None:
+        await asyncio.gather(*(e.wait() for e in started))
+        os.kill(pid, signal.SIGKILL)
+
+    *texts, _ = await asyncio.gather(*(one(i) for i in range(len(prompts))), kill())
+    return list(texts)
+
+
+def _request_lines(server: ServerProcess) -> list[str]:
     prefix = "splitserve request "
-    lines = [line for line in server.lines if line.startswith(prefix)]
-    return {json.loads(line[len(prefix) :])["decode_worker"] for line in lines}
+    return [line[len(prefix) :] for line in server.lines if line.startswith(prefix)]
+
+
+def _restarted(server: ServerProcess) -> set[str]:
+    return {line.split()[2] for line in server.lines if " restarted in " in line}
+
+
+def _migrations(server: ServerProcess) -> dict[str, float]:
+    """Worker left -> requests that migrated off it (request_migrations_total)."""
+    moved: dict[str, float] = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("splitserve:request_migrations_total{"):
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            moved[worker] = moved.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {w: n for w, n in moved.items() if n > 0}
+
+
+def _ready(server: ServerProcess) -> bool:
+    return bool(httpx.get(f"{server.url}/health").status_code == 200)

@@ -280,9 +280,13 @@ class RequestExchange:
         """A worker stopped for good (it said so, or its process died): it takes no new
         requests, and those waiting on it migrate (or fail with a 503)."""
         worker = self.pool.mark_failed(worker_id, why)
-        if worker is not None:
-            text = f"worker {worker_id} failed: {why}"
-            self._fail_waiting([worker], lambda _: text, reason)
+        if worker is None:
+            return
+        text = f"worker {worker_id} failed: {why}"
+        self._fail_waiting([worker], lambda _: text, reason)
+        for rank in self.pool.group_of(worker):  # an expert-parallel group stops whole
+            if rank.failed is None:
+                self.worker_stopped(rank.worker_id, f"{worker_id} of its group stopped", reason)
 
     def rejoin(self, endpoint: WorkerEndpoint) -> None:
         """A stopped worker runs again (restarted): route to it under its id from now on."""

@@ -201,6 +201,10 @@ class WorkerPool:
         self.count_workers()
         return worker
 
+    def group_of(self, worker: WorkerState) -> list[WorkerState]:
+        """The workers of ``worker``'s replica: the ranks of its expert-parallel group."""
+        return [w for w in self._live() if w.group == worker.group]
+
     def lost(self, now: float) -> list[WorkerState]:
         """Workers that reported in once and are unhealthy now (silent or failed)."""
         timeout = self.heartbeat_timeout_s

@@ -59,8 +59,14 @@ class WorkerState:
 
     @property
     def pool(self) -> str:
-        """Worker ids are `<pool>-<index>`."""
+        """Worker ids are `<pool>-<index>`, and `<pool>-<index>.<rank>` for the ranks of an
+        expert-parallel group."""
         return self.endpoint.worker_id.rsplit("-", 1)[0]
+
+    @property
+    def group(self) -> str:
+        """The replica it belongs to: `<pool>-<index>` (a rank's expert-parallel group)."""
+        return self.endpoint.worker_id.partition(".")[0]
 
     @property
     def routable(self) -> bool:

@@ -35,12 +35,14 @@ class WorkerStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class Replica:
-    """One worker actor and the placement group that holds its resources."""
+    """One worker actor and the placement group that holds its resources. group: the
+    replica's id, which the ranks of an expert-parallel group share (else the worker's)."""
 
     worker_id: str
     pool: str
     actor: Any
     placement_group: Any
+    group: str
 
 
 class Deployment:
@@ -52,6 +54,8 @@ class Deployment:
         self.workers: list[dict[str, Any]] = []
         self.tokenizer: Any = None
         self._next_index: dict[str, int] = {}
+        self.generations: dict[str, int] = {}
+        """Expert-parallel group -> its current start (a restart starts every rank anew)."""
         self._store: Any = None
         self._store_addr: StoreAddress | None = None
         self.sealer = Sealer()
@@ -116,7 +120,8 @@ class Deployment:
         import ray
 
         try:
-            infos: list[dict[str, Any]] = ray.get([r.actor.start.remote() for r in started])
+            calls = [r.actor.start.remote(self.generations.get(r.group, 0)) for r in started]
+            infos: list[dict[str, Any]] = ray.get(calls)
         except ray.exceptions.RayError as exc:
             for replica in started:
                 self.remove_replica(replica.worker_id)
@@ -208,8 +213,21 @@ class Deployment:
                 )
             )
         )
-        self.replicas[worker_id] = Replica(worker_id, name, actor, group)
+        replica_id = expert_group.name if expert_group is not None else worker_id
+        self.replicas[worker_id] = Replica(worker_id, name, actor, group, replica_id)
         return self.replicas[worker_id]
+
+    def group_of(self, worker_id: str) -> list[str]:
+        """The workers of ``worker_id``'s expert-parallel group in rank order (just itself
+        for a replica of one worker)."""
+        group = self.replicas[worker_id].group
+        return [w for w, r in self.replicas.items() if r.group == group]
+
+    def next_generation(self, worker_id: str) -> int:
+        """Count a new start of ``worker_id``'s group; its ranks start with the number."""
+        group = self.replicas[worker_id].group
+        self.generations[group] = self.generations.get(group, 0) + 1
+        return self.generations[group]
 
     def restarted(self, info: dict[str, Any]) -> None:
         """A replica's actor was restarted and started again: its new WorkerInfo."""
@@ -223,7 +241,7 @@ class Deployment:
         from ray.util.placement_group import remove_placement_group
 
         group = self.replicas[worker_id].placement_group
-        members = [r for r in self.replicas.values() if r.placement_group is group]
+        members = [self.replicas[w] for w in self.group_of(worker_id)]
         for replica in members:
             del self.replicas[replica.worker_id]
             with suppress(ray.exceptions.RayError):

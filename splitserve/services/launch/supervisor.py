@@ -17,10 +17,12 @@ replica removed by scaling is not restarted (the supervisor watches only current
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from splitserve.services.api.worker_view import WorkerEndpoint
@@ -62,7 +64,7 @@ class Supervisor:
         import ray
 
         replica = self.deployment.replicas.get(worker_id)
-        if replica is not None:
+        if replica is not None and worker_id not in self._restarting:
             log.warning("worker %s failed: restarting its process", worker_id)
             ray.kill(replica.actor, no_restart=False)
 
@@ -82,9 +84,14 @@ class Supervisor:
             for ref in done:
                 worker_id = refs[ref]
                 del self._watches[worker_id]
+                if worker_id in self._restarting:
+                    continue  # killed by its group's restart, which starts it again
                 if worker_id in self.deployment.replicas and self._died(ref):
-                    self._restarting.add(worker_id)
-                    threading.Thread(target=self._restart, args=(worker_id,), daemon=True).start()
+                    members = self.deployment.group_of(worker_id)
+                    self._restarting.update(members)
+                    threading.Thread(
+                        target=self._restart, args=(worker_id, members), daemon=True
+                    ).start()
 
     @staticmethod
     def _died(ref: Any) -> bool:
@@ -96,7 +103,7 @@ class Supervisor:
             return True
         return False
 
-    def _start_again(self, worker_id: str) -> dict[str, Any]:
+    def _start_again(self, worker_id: str, generation: int) -> dict[str, Any]:
         """``start`` on the restarted actor. A call made while Ray is still restarting it
         fails (ActorUnavailableError, maybe after it ran): it is made again; ``start`` of a
         started worker returns its WorkerInfo without starting anything."""
@@ -106,33 +113,47 @@ class Supervisor:
         while True:
             actor = self.deployment.replicas[worker_id].actor
             try:
-                info: dict[str, Any] = ray.get(actor.start.remote())
+                info: dict[str, Any] = ray.get(actor.start.remote(generation))
                 return info
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline or self._halt.wait(WATCH_POLL_S):
                     raise
 
-    def _restart(self, worker_id: str) -> None:
-        """Tell the exchange, then start the restarted actor and hand its endpoint over."""
+    def _restart(self, worker_id: str, members: list[str]) -> None:
+        """Tell the exchange, then start the restarted actor and hand its endpoint over. A rank
+        of an expert-parallel group takes its whole group down and up again: the other ranks'
+        processes are killed too (their collectives broke), and every rank starts with the
+        group's next generation, in which they meet anew (services/workers/expert_group.py)."""
         import ray
 
         died = time.monotonic()
-        self._loop.call_soon_threadsafe(self._stopped, worker_id, "its process died")
+        generation = self.deployment.next_generation(worker_id) if len(members) > 1 else 0
+        for member in members:
+            why = "its process died" if member == worker_id else f"{worker_id} of its group died"
+            self._loop.call_soon_threadsafe(self._stopped, member, why)
+            if member != worker_id:
+                with contextlib.suppress(KeyError, ray.exceptions.RayError):
+                    ray.kill(self.deployment.replicas[member].actor, no_restart=False)
         try:
-            info = self._start_again(worker_id)
+            with ThreadPoolExecutor(len(members)) as pool:  # a group's ranks start together
+                infos = list(pool.map(lambda m: self._start_again(m, generation), members))
         except (KeyError, ray.exceptions.RayError):
-            log.exception("worker %s did not come back", worker_id)
+            log.exception("worker %s did not come back (with %s)", worker_id, members)
             return
         finally:
-            self._restarting.discard(worker_id)
-        self.deployment.restarted(info)
-        endpoint = WorkerEndpoint(
-            info["worker_id"],
-            info["request_addr"],
-            info["output_addr"],
-            info["role"],
-            info["kv_addr"],
-        )
-        self._loop.call_soon_threadsafe(self._rejoin, endpoint)
+            self._restarting.difference_update(members)
         seconds = time.monotonic() - died
-        print(f"splitserve worker {worker_id} restarted in {seconds:.1f} s, pid {info['pid']}")
+        for info in infos:
+            self.deployment.restarted(info)
+            endpoint = WorkerEndpoint(
+                info["worker_id"],
+                info["request_addr"],
+                info["output_addr"],
+                info["role"],
+                info["kv_addr"],
+            )
+            self._loop.call_soon_threadsafe(self._rejoin, endpoint)
+            print(
+                f"splitserve worker {info['worker_id']} restarted in {seconds:.1f} s, "
+                f"pid {info['pid']}"
+            )

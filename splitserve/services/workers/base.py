@@ -102,18 +102,21 @@ class Worker(ABC):
         self._heartbeat: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
+        self.generation = 0
         self.phases = PhaseTimer()
         """The loop's time by phase (idle, receive, stats; subclasses add theirs)."""
         self.sealer = spec.sealer
         self.rejected = Rejections(logger, f"worker {spec.worker_id}")
         """Messages dropped unread: their HMAC is missing or wrong (services/sealing.py)."""
 
-    def start(self) -> dict[str, Any]:
+    def start(self, generation: int = 0) -> dict[str, Any]:
         """Load the model, bind the sockets, start the loop; returns WorkerInfo as a dict
         (a second call returns the first one's: a supervisor may call again, not knowing
-        whether its call ran)."""
+        whether its call ran). generation: which start of its expert-parallel group this is
+        (services/workers/expert_group.py; the launcher counts them)."""
         with self._start_lock:
             if self._info is None:
+                self.generation = generation
                 self._info = self._start_once()
             return self._info
 

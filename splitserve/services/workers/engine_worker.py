@@ -42,7 +42,7 @@ class EngineWorker(Worker):
         from splitserve.engine.llm_engine import LLMEngine
 
         spec = self.spec
-        member = join_group(spec) if spec.expert_group is not None else None
+        member = join_group(spec, self.generation) if spec.expert_group is not None else None
         if spec.prefix_index is not None and spec.kv_store is not None:
             self.cache = WorkerCache(
                 self.worker_id,

@@ -7,18 +7,17 @@ round every rank asks the group (one all-reduce) whether any rank has work; if o
 step: a rank without work of its own passes through the MoE layers idle. An idle group only
 meets at that all-reduce, once per poll interval.
 
-The group is formed through the deployment's rendezvous store under the replica's name and an
-incarnation: each rank counts its own starts in the store, so the ranks of a group that was
-restarted (every rank's process: see ``ThreadFailed`` below) meet in a fresh group, never in
-the one that broke. A collective that fails (a rank died: Gloo and NCCL see its connections
-close) leaves the ranks out of step, so it stops the worker's loop (``ThreadFailed``): its
-requests fail with a 503 and migrate, and the supervisor restarts it.
+The group is formed through the deployment's rendezvous store under the replica's name and a
+generation that the launcher counts: a group is always restarted whole (services/launch/
+supervisor.py), every rank with the next generation, so the new ranks meet in a fresh group,
+never in the one that broke. A collective that fails (a rank died: Gloo and NCCL see its
+connections close) leaves the ranks out of step, so it stops the worker's loop
+(``ThreadFailed``): its requests fail with a 503 and migrate to other groups.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -44,16 +43,14 @@ FORM_TIMEOUT_S = 120.0
 """How long a rank waits for the others to join (they load and start at the same time)."""
 
 
-def join_group(spec: WorkerSpec) -> GroupMember:
-    """This worker's rank in its expert-parallel group, once every rank has joined."""
+def join_group(spec: WorkerSpec, generation: int) -> GroupMember:
+    """This worker's rank in start ``generation`` of its expert-parallel group, once every
+    rank has joined."""
     group = spec.expert_group
     assert group is not None and spec.store is not None, "an expert group needs the store"
-    timeout = datetime.timedelta(seconds=FORM_TIMEOUT_S)
-    counter = dist.TCPStore(spec.store.host, spec.store.port, is_master=False, timeout=timeout)
-    incarnation = counter.add(f"ep/{group.name}/starts/{group.rank}", 1)
     process_group = collective_group(
         spec.store,
-        f"ep/{group.name}/{incarnation}",
+        f"ep/{group.name}/{generation}",
         group.rank,
         group.size,
         torch.device(spec.engine.device),
