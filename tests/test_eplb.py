@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from splitserve.engine.expert_parallel import ExpertParallel
+from splitserve.engine.expert_rebalance import sources
 from splitserve.eplb.placement import (
     Placement,
     balanced_packing,
@@ -84,3 +86,18 @@ def test_simulator_balances_a_skewed_trace() -> None:
     assert static["interval_imbalance"] > 1.5
     assert eplb["interval_imbalance"] < 1.15
     assert eplb["moe_step_us"] < static["moe_step_us"]
+
+
+def test_each_new_slot_takes_its_expert_from_itself_else_the_old_copies_in_turn() -> None:
+    """sources (engine/expert_rebalance.py): where each slot of a new placement gets its
+    weights when an expert-parallel group rebalances while serving."""
+    old = ExpertParallel.contiguous(0, 2, 8)  # rank 0: 0-3, rank 1: 4-7
+    slots = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 0, -1]])
+    new = ExpertParallel(0, 2, slots, torch.ones(slots.shape, dtype=torch.float64))
+    assert sources(old, new).tolist() == [[0, 0, 0, 0, 1], [1, 1, 1, 0, -1]]
+    # Expert 0 held by ranks 0 and 2, copied twice to rank 3: once from each.
+    held = torch.tensor([[0, 1], [2, 3], [0, 4], [5, 6]])
+    old = ExpertParallel(0, 4, held, torch.ones(held.shape, dtype=torch.float64))
+    slots = torch.tensor([[1, 2], [3, 4], [5, 6], [0, 0]])
+    new = ExpertParallel(0, 4, slots, torch.ones(slots.shape, dtype=torch.float64))
+    assert sources(old, new).tolist() == [[0, 1], [1, 2], [3, 3], [0, 2]]

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.config import EPLBConfig
 from splitserve.eplb.placement import rebalance
 from tests.support.ep_worker import generate_in_group
 from tests.support.server_process import free_port
@@ -48,6 +49,8 @@ def test_ep2_tokens_equal_ep1(smollm2_tokenizer: Any, tmp_path: Path) -> None:
             "expert_slots": tuple(map(tuple, placement.slots.tolist())),
             "expert_shares": tuple(map(tuple, placement.shares.tolist())),
         },
+        # EPLB while generating: every 3 steps the experts move, with 2 redundant copies.
+        {"eplb": EPLBConfig(interval_steps=3, redundant_experts=2)},
     ]
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -55,9 +58,19 @@ def test_ep2_tokens_equal_ep1(smollm2_tokenizer: Any, tmp_path: Path) -> None:
     workers = [context.Process(target=generate_in_group, args=(rank, *args)) for rank in range(2)]
     for worker in workers:
         worker.start()
-    got = dict(results.get(timeout=120) for _ in workers)
+    got = {
+        rank: (tokens, moved) for rank, tokens, moved in (results.get(timeout=120) for _ in workers)
+    }
     for worker in workers:
         worker.join(timeout=30)
         assert worker.exitcode == 0
     for rank in range(2):
-        assert got[rank] == {0: expected[rank], 1: expected[rank]}
+        assert got[rank][0] == {0: expected[rank], 1: expected[rank], 2: expected[rank]}
+    # 12 steps (rank 0's longest request) and 4 rebalances, on both ranks alike; each layer
+    # ends with 10 slots (8 experts + 2 copies) in 5 per rank, one expert held twice.
+    (rebalances, slots), other = got[0][1][2], got[1][1][2]
+    assert rebalances == 4 and other == (rebalances, slots)
+    for layer in slots:
+        held = torch.tensor(layer).flatten()
+        assert len(layer[0]) == 5 and sorted(set(held.tolist())) == list(range(8))
+        assert int(torch.bincount(held).max()) >= 2

@@ -21,7 +21,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.support.reference import assert_greedy_equal, hf_greedy
-from tests.support.server_process import ServerProcess, serve, worker_pids
+from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
 from tests.support.tiny_models import tiny_mixtral, tiny_qwen3_moe
 from tests.support.wait import wait_for
 
@@ -51,15 +51,23 @@ def checkpoints(
     return built
 
 
+EPLB = "pools.decode.engine.eplb={interval_steps: 3, redundant_experts: 2}"
+
+
 @pytest.mark.parametrize(
-    ("family", "ranks"), [("mixtral", 1), ("mixtral", 2), ("qwen3_moe", 2), ("qwen3_moe", 4)]
+    ("family", "ranks", "eplb"),
+    [("mixtral", 1, False), ("mixtral", 2, False), ("qwen3_moe", 2, True), ("qwen3_moe", 4, False)],
+    ids=["mixtral-ep1", "mixtral-ep2", "qwen3_moe-ep2-eplb", "qwen3_moe-ep4"],
 )
 def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformers(
     checkpoints: dict[str, tuple[Any, str, list[list[int]]]],
     prompts: list[list[int]],
     family: str,
     ranks: int,
+    eplb: bool,
 ) -> None:
+    """With ``eplb``, the group rebalances its experts every 3 steps while it decodes (2
+    redundant copies): the outputs do not change."""
     model, path, reference = checkpoints[family]
     llm = LLM(model=path, max_model_len=512, block_size=16)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -74,9 +82,12 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
         "pools.prefill.engine.kv_cache_bytes=8388608",
         "pools.decode.engine.kv_cache_bytes=8388608",
         "router.policy=least_loaded",
+        *([EPLB] if eplb else []),
     ) as server:
         texts = asyncio.run(_complete_all(server, path, prompts))
         decoders = _decode_workers(server)
+        if eplb:
+            wait_for(lambda: _rebalanced(server, ranks), 10, message="every rank's rebalances")
     assert texts == [o.outputs[0].text for o in offline]
     names = {"decode-0"} if ranks == 1 else {f"decode-0.{r}" for r in range(ranks)}
     assert decoders == names, f"requests decoded on {sorted(decoders)}, ranks {sorted(names)}"
@@ -192,6 +203,13 @@ def _migrations(server: ServerProcess) -> dict[str, float]:
             worker = line.split('worker="', 1)[1].split('"', 1)[0]
             moved[worker] = moved.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
     return {w: n for w, n in moved.items() if n > 0}
+
+
+def _rebalanced(server: ServerProcess, ranks: int) -> bool:
+    """Every rank of decode-0 reports the same rebalances, at least two."""
+    name = "splitserve:eplb_rebalances_total"
+    counts = {worker_metric(server.url, name, f"decode-0.{r}") for r in range(ranks)}
+    return len(counts) == 1 and min(counts) >= 2
 
 
 def _ready(server: ServerProcess) -> bool:

@@ -8,6 +8,23 @@ from splitserve.engine.spec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
+class EPLBConfig:
+    """Expert-parallel load balancing while serving (engine/expert_rebalance.py): every
+    ``interval_steps`` steps the group counts each MoE layer's expert load since the last
+    rebalance, places ``redundant_experts`` extra copies of the hottest experts and packs
+    the copies onto its ranks (splitserve/eplb/), and moves the weights between the ranks."""
+
+    interval_steps: int = 1000
+    redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 1:
+            raise ValueError("eplb.interval_steps must be at least 1")
+        if self.redundant_experts < 0:
+            raise ValueError("eplb.redundant_experts must be non-negative")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One model replica on its device.
 
@@ -37,6 +54,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (engine/spec/, docs/speculative.md); None: off."""
     record_expert_load: bool = False
+    """MoE models: keep each step's per-expert load (``engine/expert_load.py``)."""
     expert_parallel_size: int = 1
     """MoE models: the experts are sharded over this many engine processes of one
     torch.distributed group, this one its rank (``engine/expert_parallel.py``)."""
@@ -44,7 +62,9 @@ class EngineConfig:
     """An EPLB placement for them: each rank's logical experts (-1: empty slot); with
     ``expert_shares``, the fraction of its expert's rows each slot serves. None: contiguous."""
     expert_shares: tuple[tuple[float, ...], ...] | None = None
-    """MoE models: keep each step's per-expert load (``engine/expert_load.py``)."""
+    eplb: EPLBConfig | None = None
+    """Rebalance the experts of an expert-parallel group while serving (None: the placement
+    stays as it started); it reads the load counters, so not with ``record_expert_load``."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -57,3 +77,5 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.eplb is not None and self.record_expert_load:
+            raise ValueError("eplb and record_expert_load both read the expert load counters")

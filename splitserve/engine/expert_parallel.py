@@ -103,18 +103,19 @@ class ExpertParallel:
     def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """All-to-all of rows: ``send[r]`` rows to rank r, ``recv[r]`` rows from it."""
         out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        self._all_to_all(out, rows.contiguous(), recv, send)
+        self.all_to_all(out, rows.contiguous(), recv, send)
         return out
 
     def counts(self, send: torch.Tensor) -> list[int]:
         """Each rank's row count for this rank, given this rank's ``send`` [size]."""
         recv = torch.empty_like(send)
-        self._all_to_all(recv, send, [1] * self.size, [1] * self.size)
+        self.all_to_all(recv, send, [1] * self.size, [1] * self.size)
         return recv.tolist()
 
-    def _all_to_all(
+    def all_to_all(
         self, out: torch.Tensor, rows: torch.Tensor, recv: list[int], send: list[int]
     ) -> None:
+        """``out`` gets ``recv[r]`` rows from rank r; ``rows`` sends ``send[r]`` to it."""
         if self.group is None:
             dist.all_to_all_single(out, rows, recv, send)
         else:  # a group formed by its members (GroupMember): the backend's own call
@@ -152,4 +153,6 @@ def lockstep_step(engine: LLMEngine) -> list[RequestOutput]:
     model = engine.runner.model
     if engine.num_steps == steps and isinstance(model, MixtralForCausalLM):
         model.idle_step()
+    if engine.eplb is not None:
+        engine.eplb.after_step()
     return outputs

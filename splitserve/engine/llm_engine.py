@@ -1,7 +1,5 @@
-"""One model replica: requests in, one scheduler step at a time, outputs out.
-
-No HTTP, Ray or sockets here; workers wrap this class and the offline ``LLM`` drives it.
-"""
+"""One model replica: requests in, one scheduler step at a time, outputs out. No HTTP, Ray or
+sockets here; workers wrap this class and the offline ``LLM`` drives it."""
 
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.expert_load import ExpertLoadRecorder
+from splitserve.engine.expert_rebalance import live_rebalancer
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
     eos_token_ids,
@@ -90,6 +89,7 @@ class LLMEngine:
         if self.spec is not None and native is not None:
             self.spec.max_rows = native.max_rows - 1
         self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
+        self.eplb = live_rebalancer(self.runner.model, config.eplb)
         self.handoff = KVHandoff(self)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -267,6 +267,11 @@ class WorkerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    eplb_rebalances: int = 0
+    """A rank of an expert-parallel group: its group's rebalances since start, and the rank
+    load imbalance (max / mean, mean over MoE layers) of the interval before the last one,
+    under the placement it ran with (engine/expert_rebalance.py)."""
+    eplb_imbalance: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,13 @@ class Metrics:
             ("phase",),
         )
         self.worker_loop_steps = counter("worker_loop_steps", "Engine steps a worker took")
+        self.eplb_rebalances = counter(
+            "eplb_rebalances", "Expert rebalances of the rank's expert-parallel group"
+        )
+        self.eplb_imbalance = gauge(
+            "eplb_imbalance",
+            "Rank load max/mean of the group's last EPLB interval, before its rebalance",
+        )
         self.spec_decode_num_drafts = counter(
             "spec_decode_num_drafts", "Speculative steps of a request (drafts verified)"
         )
@@ -190,6 +197,10 @@ class Metrics:
         self.prefix_cache_hits.labels(*key, "disk").inc(disk)
         self.prefix_cache_hits.labels(*key, "remote").inc(remote)
         self.worker_loop_steps.labels(*key).inc(max(stats.loop_steps - before.loop_steps, 0))
+        if stats.eplb_rebalances:
+            rebalances = max(stats.eplb_rebalances - before.eplb_rebalances, 0)
+            self.eplb_rebalances.labels(*key).inc(rebalances)
+            self.eplb_imbalance.labels(*key).set(stats.eplb_imbalance)
         self._observe_spec(key, stats, before)
         earlier = {p.phase: p.seconds for p in before.loop_phases}
         for phase in stats.loop_phases:

@@ -24,12 +24,16 @@ def generate_in_group(
     results: Any,
 ) -> None:
     """Rank ``rank`` greedily generates ``prompts[rank]`` (``max_tokens[rank]`` each) once
-    per placement (EngineConfig keys) and puts {placement index: token ids} on ``results``."""
+    per placement (EngineConfig keys) and puts (rank, {placement index: token ids},
+    {placement index: (rebalances, final slots of each MoE layer)} for placements with
+    ``eplb``) on ``results``."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
     try:
         tokens: dict[int, list[list[int]]] = {}
+        moved: dict[int, tuple[int, list[Any]]] = {}
+        """Placements that rebalance: (rebalances, each MoE layer's slots at the end)."""
         params = SamplingParams(max_tokens=max_tokens[rank], temperature=0, ignore_eos=True)
         for index, placement in enumerate(placements):
             config = EngineConfig(
@@ -44,6 +48,12 @@ def generate_in_group(
                     if output.finished:
                         done[output.request_id] = output.outputs[0].token_ids
             tokens[index] = [done[str(i)] for i in range(len(prompts[rank]))]
-        results.put((rank, tokens))
+            if engine.eplb is not None:
+                layers = engine.eplb.layers
+                moved[index] = (
+                    engine.eplb.rebalances,
+                    [layer.ep.slots.tolist() for layer in layers],
+                )
+        results.put((rank, tokens, moved))
     finally:
         dist.destroy_process_group()

@@ -194,6 +194,7 @@ class EngineWorker(Worker):
         while not self._transfer_seconds.empty():
             seconds.append(self._transfer_seconds.get_nowait())
         s = self.engine.stats()
+        eplb = self.engine.eplb
         tiers = s.cached_tokens_by_tier or {}
         return msg.WorkerStats(
             worker_id=self.worker_id,
@@ -219,6 +220,8 @@ class EngineWorker(Worker):
             spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_accepted_per_pos=s.spec_accepted_per_pos,
+            eplb_rebalances=eplb.rebalances if eplb is not None else 0,
+            eplb_imbalance=eplb.imbalance if eplb is not None else 0.0,
         )
 
     def _loop_phases(self) -> list[msg.PhaseSeconds]:
