@@ -56,8 +56,22 @@ EPLB = "pools.decode.engine.eplb={interval_steps: 3, redundant_experts: 2}"
 
 @pytest.mark.parametrize(
     ("family", "ranks", "eplb"),
-    [("mixtral", 1, False), ("mixtral", 2, False), ("qwen3_moe", 2, True), ("qwen3_moe", 4, False)],
-    ids=["mixtral-ep1", "mixtral-ep2", "qwen3_moe-ep2-eplb", "qwen3_moe-ep4"],
+    [
+        ("mixtral", 1, False),
+        ("mixtral", 2, False),
+        ("mixtral", 4, True),
+        ("qwen3_moe", 1, False),
+        ("qwen3_moe", 2, True),
+        ("qwen3_moe", 4, False),
+    ],
+    ids=[
+        "mixtral-ep1",
+        "mixtral-ep2",
+        "mixtral-ep4-eplb",
+        "qwen3_moe-ep1",
+        "qwen3_moe-ep2-eplb",
+        "qwen3_moe-ep4",
+    ],
 )
 def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformers(
     checkpoints: dict[str, tuple[Any, str, list[list[int]]]],
