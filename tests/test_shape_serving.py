@@ -58,6 +58,10 @@ def test_shape_model_completes_token_id_and_numeric_text_prompts_alike(
     tokens = [int(word) for word in by_ids.choices[0].text.split()]
     assert len(tokens) == 6 and all(0 <= t < VOCAB for t in tokens)
     assert by_ids.choices[0].text == "".join(f" {t}" for t in tokens)
+    with pytest.raises(openai.BadRequestError) as error:  # prose: not a 500
+        client.completions.create(model=MODEL, prompt="5 and 17", max_tokens=6)
+    assert error.value.status_code == 400
+    assert "whitespace-separated integers" in str(error.value)
     assert by_text.choices[0].text == by_ids.choices[0].text
 
 

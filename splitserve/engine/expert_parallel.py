@@ -93,7 +93,7 @@ class ExpertParallel:
         rank, slot = self.destinations(routing.experts.flatten())
         order = torch.argsort(rank * self.width + slot, stable=True)
         send = torch.bincount(rank, minlength=self.size).tolist()
-        recv = self.counts(torch.tensor(send))
+        recv = self.counts(torch.tensor(send, device=h.device))
         rows = self.exchange(h[order // top_k], send, recv)
         slots = self.exchange(slot[order], send, recv)
         local = Routing(torch.ones((len(slots), 1), device=h.device), slots[:, None])
@@ -139,7 +139,7 @@ class GroupMember:
 
 def any_unfinished(engine: LLMEngine, ep: ExpertParallel) -> bool:
     """Whether any rank of the group still has requests (a collective: every rank calls it)."""
-    flag = torch.tensor([int(engine.has_unfinished_requests())])
+    flag = torch.tensor([int(engine.has_unfinished_requests())], device=engine.runner.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ep.group)
     return bool(flag.item())
 

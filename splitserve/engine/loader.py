@@ -110,7 +110,13 @@ class NumericTokenizer:
         return []
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(word) % self.vocab_size for word in text.split()]
+        try:
+            return [int(word) % self.vocab_size for word in text.split()]
+        except ValueError:
+            raise ValueError(
+                "a random-weight shape model reads token ids or text of whitespace-separated "
+                "integers only"
+            ) from None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" {t}" for t in token_ids)

@@ -68,15 +68,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+        # An expert-parallel step reads its exchange's row counts on the host: no graphs, no
+        # overlapped steps (engine/expert_parallel.py).
+        eager = config.expert_parallel_size > 1
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not eager:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             spec = config.speculative
             rows = config.max_num_seqs * (1 + spec.num_speculative_tokens) if spec else 0
             verify_rows = min(config.cuda_graph_max_batch, rows)
             self.graphs = DecodeGraphs(self, max_batch, capture=True, verify_rows=verify_rows)
-        overlap = config.overlap_scheduling
-        if overlap is None:
-            overlap = self.device.type == "cuda"
+        overlap = config.overlap_scheduling and not eager
+        if config.overlap_scheduling is None:
+            overlap = self.device.type == "cuda" and not eager
         self.overlapped: DecodeGraphs | None = None
         """Where overlapped decode steps run: the graphs, or the same inputs run eagerly."""
         if overlap:

@@ -55,7 +55,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     spec, param = body.constraint()
     if spec is not None:
         await state.constraints.check(spec, param)
-    prompts = await asyncio.to_thread(tokenize_prompts, state.tokenizer, body.prompt)
+    try:
+        prompts = await asyncio.to_thread(tokenize_prompts, state.tokenizer, body.prompt)
+    except ValueError as exc:  # text the model's tokenizer cannot read (a shape model's)
+        raise APIError(400, f"prompt: {exc}", param="prompt", code="invalid_value") from None
     _check_token_ids(state, prompts)
     limit = body.max_tokens
     params = [

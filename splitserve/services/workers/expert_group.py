@@ -54,7 +54,7 @@ def join_group(spec: WorkerSpec, generation: int) -> GroupMember:
         group.rank,
         group.size,
         torch.device(spec.engine.device),
-        spec.transfer.backend,
+        "auto",  # by device: NCCL on CUDA (the KV transport may stage through Gloo)
         max(FORM_TIMEOUT_S, spec.transfer.timeout_s),
         spec.sealer.store_key(),
     )
@@ -105,7 +105,8 @@ class Lockstep:
             self._all_reduce(stopping=True)
 
     def _all_reduce(self, stopping: bool) -> list[int]:
-        flags = torch.tensor([int(self.engine.has_unfinished_requests()), int(stopping)])
+        busy = int(self.engine.has_unfinished_requests())
+        flags = torch.tensor([busy, int(stopping)], device=self.engine.runner.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ep.group)
         return [int(f) for f in flags.tolist()]
 
