@@ -4,6 +4,7 @@ the same process as the engine: two copies of Qwen3-30B-A3B's 61 GB do not fit o
 
     python3 benchmarks/gpu_moe.py gemm            # Qwen3-30B-A3B experts, 1 / 64 / 256 tokens
     python3 benchmarks/gpu_moe.py hf --shape qwen3-30b-a3b --batch-sizes 1,64,256
+    python3 benchmarks/gpu_moe.py tiles --batch-sizes 1,4,16,64,256   # the tiling sweep
 
 Each prints one JSON line and writes it to $OUT/moe-<mode>.json when OUT is set. ``gemm``
 checks the kernel against ``grouped_gemm_ref`` in bfloat16 (exits 1 on a mismatch) and
@@ -26,7 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 from splitserve.bench.report import git_commit  # noqa: E402
 from splitserve.engine.layers.moe import permute, route  # noqa: E402
-from splitserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref  # noqa: E402
+from splitserve.kernels.grouped_gemm import (  # noqa: E402
+    GemmTiles,
+    choose_tiles,
+    grouped_gemm,
+    grouped_gemm_ref,
+)
 
 
 def _time_us(fn: Any, repeats: int = 50) -> float:
@@ -79,6 +85,51 @@ def gemm(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) -
     return {"mode": "gemm", "ok": ok, "shape": shape, "rows": rows_out}
 
 
+def tiles(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) -> dict[str, Any]:
+    """Every tiling of a grid (tile widths, split-K, pipeline stages) for each token count and
+    projection: its time against the default's, outputs checked against the reference."""
+    import itertools
+
+    torch.manual_seed(0)
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype, device=device) / inter**0.5
+    grid = list(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (3, 4)))
+    rows_out, ok = [], True
+    for count in tokens:
+        x = torch.randn(count, hidden, dtype=dtype, device=device)
+        routing = route(torch.randn(count, experts, device=device), top_k, True)
+        perm = permute(routing.experts, experts)
+        act = torch.randn(count * top_k, inter, dtype=dtype, device=device)
+        active = int((perm.counts > 0).sum())
+        row: dict[str, Any] = {"tokens": count, "active_experts": active}
+        for name, weight, inp, rows in (("gate_up", w13, x, perm.rows), ("down", w2, act, None)):
+            ref = grouped_gemm_ref(inp, weight, perm.offsets, rows).float()
+            read = active * weight[0].numel() * weight.element_size()
+            default = choose_tiles(perm.rows.numel(), experts, weight.shape[2])
+            timed = []
+            for block_n, block_k, split_k, stages in grid:
+                t = GemmTiles(default.block_m, block_n, block_k, split_k, 4, stages)
+                out = grouped_gemm(inp, weight, perm.offsets, rows, t).float()
+                err = float((out - ref).abs().max() / ref.abs().max())
+                ok &= err < 2e-2
+                us = _time_us(lambda: grouped_gemm(inp, weight, perm.offsets, rows, t))  # noqa: B023
+                timed.append((us, t))
+            default_us = _time_us(lambda: grouped_gemm(inp, weight, perm.offsets, rows))  # noqa: B023
+            timed.sort(key=lambda pair: pair[0])
+            row[name] = {
+                "default": default.__dict__,
+                "default_us": default_us,
+                "default_gb_per_s": read / default_us / 1e3,
+                "best": [
+                    {"us": us, "gb_per_s": read / us / 1e3, **t.__dict__} for us, t in timed[:5]
+                ],
+            }
+        rows_out.append(row)
+    shape = {"experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter}
+    return {"mode": "tiles", "ok": ok, "shape": shape, "rows": rows_out}
+
+
 def hf(shape: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict[str, Any]:
     from splitserve.bench.hf_baseline import hf_throughput, load_hf_model
     from splitserve.bench.roofline import REFERENCE_CEILINGS, decode_step_bytes
@@ -103,7 +154,7 @@ def hf(shape: str, batch_sizes: list[int], input_len: int, output_len: int) -> d
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["gemm", "hf"])
+    parser.add_argument("mode", choices=["gemm", "hf", "tiles"])
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--input-len", type=int, default=256)
@@ -112,6 +163,8 @@ def main() -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.mode == "gemm":
         result = gemm(128, 8, 2048, 768, batches)
+    elif args.mode == "tiles":
+        result = tiles(128, 8, 2048, 768, batches)
     else:
         result = hf(args.shape, batches, args.input_len, args.output_len)
     result |= {"git_commit": git_commit(), "device": torch.cuda.get_device_name()}

@@ -18,6 +18,7 @@ routed expert's weight once, which is the bound.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,9 @@ from splitserve.kernels.decode_attention import dot_precision
 @triton.jit
 def _grouped_gemm_kernel(
     x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
-    N, K, num_experts, stride_x, stride_we, stride_wn, stride_out,
+    N, K, K_SPLIT, num_experts, stride_x, stride_we, stride_wn, stride_out, stride_split,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
@@ -47,7 +48,8 @@ def _grouped_gemm_kernel(
     col_mask = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = tl.program_id(2) * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         a = tl.load(
@@ -61,8 +63,13 @@ def _grouped_gemm_kernel(
             other=0.0,
         )
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    mask = row_mask[:, None] & col_mask[None, :]
+    if not PARTIAL:
+        out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # this split's float32 partial sums; the caller adds the splits in a fixed order
+        part = out_ptr + tl.program_id(2).to(tl.int64) * stride_split
+        tl.store(part + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :], acc, mask=mask)
 
 
 def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
@@ -84,11 +91,26 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
     return torch.stack([expert, start]).to(torch.int32)
 
 
-def choose_tiles(num_rows: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-row tiles when experts get a few rows each (decode),
-    64 when they get many (prefill)."""
+@dataclass(frozen=True)
+class GemmTiles:
+    """One launch's tiling. split_k > 1 splits each tile's K loop over that many programs,
+    whose float32 partial sums are added afterwards in a fixed order (deterministic): with a
+    few rows per expert (decode) a tile's programs are few and each walks all of K, so the
+    launch is bound by the latency of its loads rather than by bandwidth."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_tiles(num_rows: int, num_experts: int, k: int) -> GemmTiles:
+    """16-row tiles when experts get a few rows each (decode), 64 when they get many
+    (prefill)."""
     block_m = 16 if num_rows <= 16 * num_experts else 64
-    return block_m, 64, 64
+    return GemmTiles(block_m, 64, 64)
 
 
 def grouped_gemm(
@@ -96,24 +118,33 @@ def grouped_gemm(
     weight: torch.Tensor,
     offsets: torch.Tensor,
     rows: torch.Tensor | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """x: [T, K]; weight: [E, N, K] (last dim contiguous); offsets: [E + 1] int; rows: [M]
-    source row of each output row (None: M = T, row r reads x[r]). Returns [M, N]."""
+    source row of each output row (None: M = T, row r reads x[r]). Returns [M, N].
+    tiles: the launch's tiling (default ``choose_tiles``)."""
     num_rows = x.shape[0] if rows is None else rows.numel()
     num_experts, n, k = weight.shape
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
     assert x.stride(1) == 1 and weight.stride(2) == 1, "last dimensions must be contiguous"
-    block_m, block_n, block_k = choose_tiles(num_rows, num_experts)
-    schedule = tile_schedule(offsets, num_rows, block_m)
-    grid = (schedule.shape[1], triton.cdiv(n, block_n))
+    t = tiles or choose_tiles(num_rows, num_experts, k)
+    k_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+    splits = triton.cdiv(k, k_split)
+    target = out if splits == 1 else torch.empty((splits, num_rows, n), device=x.device)
+    schedule = tile_schedule(offsets, num_rows, t.block_m)
+    grid = (schedule.shape[1], triton.cdiv(n, t.block_n), splits)
     _grouped_gemm_kernel[grid](
-        x, x if rows is None else rows, weight, out, offsets, schedule[0], schedule[1],
-        n, k, num_experts, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        GATHER=rows is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=dot_precision(x.dtype),
+        x, x if rows is None else rows, weight, target, offsets, schedule[0], schedule[1],
+        n, k, k_split, num_experts, x.stride(0), weight.stride(0), weight.stride(1),
+        target.stride(-2), target.stride(0) if splits > 1 else 0,
+        GATHER=rows is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        PARTIAL=splits > 1, PRECISION=dot_precision(x.dtype), num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )  # fmt: skip
+    if splits > 1:
+        out.copy_(target.sum(dim=0))
     return out
 
 

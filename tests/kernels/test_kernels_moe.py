@@ -11,7 +11,12 @@ from splitserve.engine.layers.moe import SparseMoE
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import set_kernels_on_cpu
-from splitserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref, tile_schedule
+from splitserve.kernels.grouped_gemm import (
+    GemmTiles,
+    grouped_gemm,
+    grouped_gemm_ref,
+    tile_schedule,
+)
 
 # float32 dots are IEEE on the interpreter and the GPU; float16 results are rounded once.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -27,7 +32,13 @@ def test_tile_schedule_maps_tiles_to_experts_and_first_rows() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gather", [True, False])
-def test_grouped_gemm_matches_reference(dtype: torch.dtype, gather: bool) -> None:
+@pytest.mark.parametrize(
+    "tiles", [None, GemmTiles(16, 32, 16, split_k=3)], ids=["default", "split-k"]
+)
+def test_grouped_gemm_matches_reference(
+    dtype: torch.dtype, gather: bool, tiles: GemmTiles | None
+) -> None:
+    """split-k: K = 40 in 3 splits of 16 (the last one short), partial sums added after."""
     torch.manual_seed(0)
     offsets = torch.tensor([0, 0, 18, 21, 30, 30])
     weight = torch.randn(5, 70, 40, dtype=dtype) / 4
@@ -36,7 +47,7 @@ def test_grouped_gemm_matches_reference(dtype: torch.dtype, gather: bool) -> Non
         rows = torch.randint(0, 11, (30,))
     else:
         x, rows = torch.randn(30, 40, dtype=dtype), None
-    out = grouped_gemm(x, weight, offsets, rows)
+    out = grouped_gemm(x, weight, offsets, rows, tiles)
     expected = grouped_gemm_ref(x, weight, offsets, rows)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
