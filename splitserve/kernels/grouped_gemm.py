@@ -7,10 +7,12 @@ Every row is multiplied by its expert's weight ``[N, K]`` (``weight`` is ``[E, N
 ``out[r] = x[rows[r]] @ weight[e].T``.
 
 One launch covers every expert. Each program takes one BLOCK_M tile of one expert's rows and
-one BLOCK_N tile of the output columns; the tile -> (expert, first row) table is computed on
-the device from the offsets (``tile_schedule``), sized for the worst case (every expert's last
-tile partly empty), so nothing is read back to the host and the launch can be captured in a
-CUDA graph. Programs past the real tiles return at once. Each weight tile is read by the
+one BLOCK_N tile of the output columns; each program finds its tile's expert and first row
+from the offsets itself (a prefix sum of the experts' tile counts: ``tile_schedule`` is the
+same rule in torch), over a grid sized for the worst case (every expert's last tile partly
+empty), so nothing is read back to the host, the launch can be captured in a CUDA graph, and
+one GEMM is one launch (a schedule of its own launches cost about as much as a decode GEMM
+on an H200). Programs past the real tiles return at once. Each weight tile is read by the
 programs of its expert only: at decode (a few rows per expert) the launch streams each
 routed expert's weight once, which is the bound.
 """
@@ -30,17 +32,27 @@ from splitserve.kernels.decode_attention import dot_precision
 
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
+    x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr,
     N, K, K_SPLIT, num_experts, stride_x, stride_we, stride_wn, stride_out, stride_split,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    PARTIAL: tl.constexpr, PRECISION: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
+    # This program's tile -> (expert, first row), from the offsets (``tile_schedule``'s rule,
+    # computed here: a schedule made by separate launches cost more than a decode GEMM).
     tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile)
+    experts = tl.arange(0, E_PAD)
+    real = experts < num_experts
+    lo = tl.load(offsets_ptr + experts, mask=real, other=0)
+    hi = tl.load(offsets_ptr + experts + 1, mask=real, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((ends <= tile).to(tl.int32), 0)
     if expert >= num_experts:
         return
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(offsets_ptr + expert + 1)
+    mine = experts == expert
+    first_tile = tl.sum(tl.where(mine, ends - tiles, 0), 0)
+    start = tl.sum(tl.where(mine, lo, 0), 0) + (tile - first_tile) * BLOCK_M
+    end = tl.sum(tl.where(mine, hi, 0), 0)
     out_rows = start + tl.arange(0, BLOCK_M)
     row_mask = out_rows < end
     in_rows = tl.load(rows_ptr + out_rows, mask=row_mask, other=0) if GATHER else out_rows
@@ -74,7 +86,7 @@ def _grouped_gemm_kernel(
 
 def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
     """[2, max_tiles] int32: each tile's expert and first row (expert ``E`` and the row count
-    past the real tiles).
+    past the real tiles): the rule the kernel applies in each program, in torch.
 
     offsets: [E + 1] row offsets of the experts (on the device; never read on the host)."""
     num_experts = offsets.numel() - 1
@@ -108,9 +120,11 @@ class GemmTiles:
 
 def choose_tiles(num_rows: int, num_experts: int, k: int) -> GemmTiles:
     """16-row tiles when experts get a few rows each (decode), 64 when they get many
-    (prefill)."""
+    (prefill); 64 columns by 128 of K, 4 stages: on an H200 within 3% of the best of a sweep
+    of widths, split-K and stages at 1 to 256 tokens of Qwen3-30B-A3B's experts, where the
+    old 64 x 64 x 3 stages took up to 17% longer (docs/performance.md)."""
     block_m = 16 if num_rows <= 16 * num_experts else 64
-    return GemmTiles(block_m, 64, 64)
+    return GemmTiles(block_m, 64, 128, num_stages=4)
 
 
 def grouped_gemm(
@@ -133,14 +147,15 @@ def grouped_gemm(
     k_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
     splits = triton.cdiv(k, k_split)
     target = out if splits == 1 else torch.empty((splits, num_rows, n), device=x.device)
-    schedule = tile_schedule(offsets, num_rows, t.block_m)
-    grid = (schedule.shape[1], triton.cdiv(n, t.block_n), splits)
+    max_tiles = triton.cdiv(num_rows, t.block_m) + num_experts
+    grid = (max_tiles, triton.cdiv(n, t.block_n), splits)
     _grouped_gemm_kernel[grid](
-        x, x if rows is None else rows, weight, target, offsets, schedule[0], schedule[1],
+        x, x if rows is None else rows, weight, target, offsets,
         n, k, k_split, num_experts, x.stride(0), weight.stride(0), weight.stride(1),
         target.stride(-2), target.stride(0) if splits > 1 else 0,
         GATHER=rows is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        PARTIAL=splits > 1, PRECISION=dot_precision(x.dtype), num_warps=t.num_warps,
+        PARTIAL=splits > 1, PRECISION=dot_precision(x.dtype),
+        E_PAD=triton.next_power_of_2(num_experts), num_warps=t.num_warps,
         num_stages=t.num_stages,
     )  # fmt: skip
     if splits > 1:
