@@ -120,9 +120,11 @@ class GemmTiles:
 
 def choose_tiles(num_rows: int, num_experts: int, k: int) -> GemmTiles:
     """16-row tiles when experts get a few rows each (decode), 64 when they get many
-    (prefill); 64 columns by 128 of K, 4 stages: on an H200 within 3% of the best of a sweep
-    of widths, split-K and stages at 1 to 256 tokens of Qwen3-30B-A3B's experts, where the
-    old 64 x 64 x 3 stages took up to 17% longer (docs/performance.md)."""
+    (prefill); 64 columns by 128 of K, 4 stages: on an H200, within 2.5% of the best of a
+    sweep of widths, split-K and stages for Qwen3-30B-A3B's experts at 1 to 256 tokens, but
+    for the down projection of one token (13.6 us against 11.4 at 128 x 128, 3 stages;
+    docs/performance.md). Split-K did not win at any size once the tile schedule moved into
+    the kernel."""
     block_m = 16 if num_rows <= 16 * num_experts else 64
     return GemmTiles(block_m, 64, 128, num_stages=4)
 
