@@ -23,14 +23,16 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 
 
-def profile_shape(shape: str, batch: int, context: int, steps: int) -> dict[str, object]:
+def profile_shape(
+    shape: str, batch: int, context: int, steps: int, memory: float = 0.3
+) -> dict[str, object]:
     llm = LLM(
         model=f"shape:{shape}",
         device="cuda",
         attention_backend="triton",
         max_model_len=context + 2 * steps + 64,
         max_num_batched_tokens=max(context * batch, 2048),
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=memory,
         cuda_graph_max_batch=0,
         overlap_scheduling=False,
     )
@@ -89,9 +91,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     args = parser.parse_args()
+    memory = args.gpu_memory_utilization
     results = [
-        profile_shape(s, args.batch, args.context, args.steps) for s in args.shapes.split(",")
+        profile_shape(s, args.batch, args.context, args.steps, memory)
+        for s in args.shapes.split(",")
     ]
     out = Path(os.environ.get("OUT", "benchmarks/results")) / "h200-kernel-profile.json"
     commit = os.environ.get("SPLITSERVE_GIT_COMMIT", "unknown")
