@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.engine.layers.moe import SparseMoE
+from splitserve.engine.layers.moe import SparseMoE, permute, route
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import set_kernels_on_cpu
@@ -17,6 +17,7 @@ from splitserve.kernels.grouped_gemm import (
     grouped_gemm_ref,
     tile_schedule,
 )
+from splitserve.kernels.moe_route import route as route_kernel
 
 # float32 dots are IEEE on the interpreter and the GPU; float16 results are rounded once.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -73,3 +74,38 @@ def test_sparse_moe_on_the_kernels_equals_the_torch_code() -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(summed, expected_sum, atol=1e-6, rtol=1e-6)
     assert int(moe.expert_load.sum()) == 2 * 9 * 2
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (128, 8), (6, 3)])
+def test_route_kernel_equals_the_torch_router(experts: int, top_k: int, renormalize: bool) -> None:
+    """Softmax, top_k most probable first, renormalized or not; 6 experts pad to 8."""
+    torch.manual_seed(experts + top_k)
+    logits = torch.randn(5, experts) * 3
+    expected = route(logits, top_k, renormalize)
+    weights, chosen = route_kernel(logits, top_k, renormalize)
+    assert torch.equal(chosen, expected.experts)
+    torch.testing.assert_close(weights, expected.weights, atol=1e-6, rtol=1e-5)
+    set_kernels_on_cpu(True)
+    try:
+        through_layer = route(logits, top_k, renormalize)
+    finally:
+        set_kernels_on_cpu(False)
+    assert torch.equal(through_layer.experts, expected.experts)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 128), (5, 3, 6), (16, 8, 128)])
+def test_permute_kernel_equals_the_stable_sort(tokens: int, top_k: int, experts: int) -> None:
+    """Order, rows and offsets as torch's stable sort gives them, repeated experts included."""
+    torch.manual_seed(tokens)
+    chosen = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    chosen[-1] = chosen[0]  # two tokens on the same experts: the sort must keep token order
+    expected = permute(chosen, experts)
+    set_kernels_on_cpu(True)
+    try:
+        got = permute(chosen, experts)
+    finally:
+        set_kernels_on_cpu(False)
+    assert torch.equal(got.order, expected.order)
+    assert torch.equal(got.rows, expected.rows)
+    assert torch.equal(got.offsets, expected.offsets)

@@ -60,7 +60,12 @@ class Permutation:
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     """Softmax over the experts in float32, the top_k most probable; with ``renormalize`` the
-    chosen probabilities are rescaled to sum to one (as transformers' Mixtral and Qwen3-MoE)."""
+    chosen probabilities are rescaled to sum to one (as transformers' Mixtral and Qwen3-MoE).
+    On the kernels, one launch (``splitserve.kernels.moe_route``)."""
+    if logits.shape[0] and use_kernels(logits):
+        from splitserve.kernels.moe_route import route as kernel
+
+        return Routing(*kernel(logits, top_k, renormalize))
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -69,6 +74,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
 
 
 def permute(experts: torch.Tensor, num_experts: int) -> Permutation:
+    """On the kernels, a decode step's few pairs in one launch (``kernels/moe_route.py``)."""
+    if experts.numel() and use_kernels(experts):
+        from splitserve.kernels.moe_route import MAX_PERMUTE_PAIRS
+        from splitserve.kernels.moe_route import permute as kernel
+
+        if experts.numel() <= MAX_PERMUTE_PAIRS:
+            return Permutation(*kernel(experts.contiguous(), num_experts))
     flat = experts.flatten()
     sorted_experts, order = torch.sort(flat, stable=True)
     bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_experts.dtype)
