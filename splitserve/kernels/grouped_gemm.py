@@ -61,8 +61,8 @@ def _grouped_gemm_kernel(
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(2) * K_SPLIT
-    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K_SPLIT, BLOCK_K):  # the last split's steps past K load nothing
+        kk = k_begin + k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         a = tl.load(
             x_ptr + in_rows.to(tl.int64)[:, None] * stride_x + kk[None, :],
