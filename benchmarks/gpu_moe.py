@@ -76,20 +76,27 @@ def cublas_loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ro
     return grouped_gemm_ref(x, weight, offsets, rows)
 
 
-def gemm(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) -> dict[str, Any]:
+def _cases(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) -> Any:
+    """For each token count: (count, active experts, [(projection, weight, input, rows)]),
+    Qwen3-30B-A3B-like random bf16 experts and routing (seed 0)."""
     torch.manual_seed(0)
     dtype, device = torch.bfloat16, torch.device("cuda")
     w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, dtype=dtype, device=device) / inter**0.5
-    rows_out, ok = [], True
     for count in tokens:
         x = torch.randn(count, hidden, dtype=dtype, device=device)
         routing = route(torch.randn(count, experts, device=device), top_k, True)
         perm = permute(routing.experts, experts)
         act = torch.randn(count * top_k, inter, dtype=dtype, device=device)
         active = int((perm.counts > 0).sum())
+        yield count, active, perm, (("gate_up", w13, x, perm.rows), ("down", w2, act, None))
+
+
+def gemm(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) -> dict[str, Any]:
+    rows_out, ok = [], True
+    for count, active, perm, projections in _cases(experts, top_k, hidden, inter, tokens):
         row: dict[str, Any] = {"tokens": count, "active_experts": active}
-        for name, weight, inp, rows in (("gate_up", w13, x, perm.rows), ("down", w2, act, None)):
+        for name, weight, inp, rows in projections:
             ours = grouped_gemm(inp, weight, perm.offsets, rows)
             ref = cublas_loop(inp, weight, perm.offsets, rows)
             err = float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
@@ -116,20 +123,11 @@ def tiles(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) 
     projection: its time against the default's, outputs checked against the reference."""
     import itertools
 
-    torch.manual_seed(0)
-    dtype, device = torch.bfloat16, torch.device("cuda")
-    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, dtype=dtype, device=device) / inter**0.5
     grid = list(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (3, 4)))
     rows_out, ok = [], True
-    for count in tokens:
-        x = torch.randn(count, hidden, dtype=dtype, device=device)
-        routing = route(torch.randn(count, experts, device=device), top_k, True)
-        perm = permute(routing.experts, experts)
-        act = torch.randn(count * top_k, inter, dtype=dtype, device=device)
-        active = int((perm.counts > 0).sum())
+    for count, active, perm, projections in _cases(experts, top_k, hidden, inter, tokens):
         row: dict[str, Any] = {"tokens": count, "active_experts": active}
-        for name, weight, inp, rows in (("gate_up", w13, x, perm.rows), ("down", w2, act, None)):
+        for name, weight, inp, rows in projections:
             ref = grouped_gemm_ref(inp, weight, perm.offsets, rows).float()
             read = active * weight[0].numel() * weight.element_size()
             default = choose_tiles(perm.rows.numel(), experts, weight.shape[2])

@@ -46,6 +46,21 @@ def cluster() -> Iterator[tuple[Cluster, dict[str, str]]]:
         cluster.shutdown()
 
 
+def labelled_pools(address: str) -> list[str]:
+    """Overrides: join the test cluster, each pool on its labelled nodes (half a label per
+    replica), tiny CPU shares and engines, sockets on each node's own address."""
+    return [
+        f"ray.address={address}",
+        "server.internal_host=node",
+        "pools.prefill.resources={prefill: 0.5}",
+        "pools.decode.resources={decode: 0.5}",
+        "pools.prefill.num_cpus=0.1",
+        "pools.decode.num_cpus=0.1",
+        f"pools.prefill.engine={TINY_ENGINE}",
+        f"pools.decode.engine={TINY_ENGINE}",
+    ]
+
+
 def actor_node(actor: Any) -> str:
     node_id: str = ray._private.state.state.actor_table(actor._actor_id.hex())["Address"]["NodeID"]
     return node_id
@@ -60,16 +75,9 @@ def test_prefill_actors_land_on_prefill_nodes_and_decode_actors_on_decode_nodes(
         None,
         [
             "model=shape:tiny-llama",
-            f"ray.address={ray_cluster.address}",
-            "server.internal_host=node",
-            "pools.prefill.resources={prefill: 0.5}",
-            "pools.decode.resources={decode: 0.5}",
+            *labelled_pools(ray_cluster.address),
             "pools.prefill.replicas=2",
             "pools.decode.replicas=2",
-            "pools.prefill.num_cpus=0.1",
-            "pools.decode.num_cpus=0.1",
-            f"pools.prefill.engine={TINY_ENGINE}",
-            f"pools.decode.engine={TINY_ENGINE}",
         ],
     )
     deployment = Deployment(config)
@@ -114,15 +122,8 @@ def test_an_expert_parallel_group_spans_nodes_with_its_ranks_numbered_node_by_no
         None,
         [
             "model=shape:tiny-mixtral",
-            f"ray.address={ray_cluster.address}",
-            "server.internal_host=node",
-            "pools.prefill.resources={prefill: 0.5}",
-            "pools.decode.resources={decode: 0.5}",
+            *labelled_pools(ray_cluster.address),
             "pools.decode.expert_parallel=4",
-            "pools.prefill.num_cpus=0.1",
-            "pools.decode.num_cpus=0.1",
-            f"pools.prefill.engine={TINY_ENGINE}",
-            f"pools.decode.engine={TINY_ENGINE}",
         ],
     )
     deployment = Deployment(config)

@@ -28,6 +28,14 @@ from tests.support.wait import wait_for
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
+SMALL = (
+    "pools.prefill.num_cpus=0.1",
+    "pools.decode.num_cpus=0.1",
+    "pools.prefill.engine.kv_cache_bytes=8388608",
+    "pools.decode.engine.kv_cache_bytes=8388608",
+    "router.policy=least_loaded",
+)
+"""Every deployment here: small CPU shares and KV pools, requests spread by load."""
 BUILDERS = {"mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
 
 
@@ -89,14 +97,7 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
     for prompt, output, ref in zip(prompts, offline, reference):
         assert_greedy_equal(model, prompt, output.outputs[0].token_ids, ref)
     with serve(
-        f"model={path}",
-        f"pools.decode.expert_parallel={ranks}",
-        "pools.prefill.num_cpus=0.1",
-        "pools.decode.num_cpus=0.1",
-        "pools.prefill.engine.kv_cache_bytes=8388608",
-        "pools.decode.engine.kv_cache_bytes=8388608",
-        "router.policy=least_loaded",
-        *([EPLB] if eplb else []),
+        f"model={path}", f"pools.decode.expert_parallel={ranks}", *SMALL, *([EPLB] if eplb else [])
     ) as server:
         texts = asyncio.run(_complete_all(server, path, prompts))
         decoders = _decode_workers(server)
@@ -139,14 +140,7 @@ def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_co
     short = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     expected_short = [o.outputs[0].text for o in llm.generate(prompts, short, use_tqdm=False)]
     with serve(
-        f"model={path}",
-        "pools.decode.replicas=2",
-        "pools.decode.expert_parallel=2",
-        "pools.prefill.num_cpus=0.1",
-        "pools.decode.num_cpus=0.1",
-        "pools.prefill.engine.kv_cache_bytes=8388608",
-        "pools.decode.engine.kv_cache_bytes=8388608",
-        "router.policy=least_loaded",
+        f"model={path}", "pools.decode.replicas=2", "pools.decode.expert_parallel=2", *SMALL
     ) as server:
         pid = worker_pids(server)["decode-0.1"]
         texts = asyncio.run(_stream_all_killing(server, path, prompts, pid))
