@@ -12,9 +12,11 @@ from splitserve.engine.expert_rebalance import sources
 from splitserve.eplb.placement import (
     Placement,
     balanced_packing,
+    fill_to_level,
     imbalance,
     rebalance,
     replicate,
+    replicate_and_pack,
     static_placement,
     water_fill,
 )
@@ -101,3 +103,24 @@ def test_each_new_slot_takes_its_expert_from_itself_else_the_old_copies_in_turn(
     slots = torch.tensor([[1, 2], [3, 4], [5, 6], [0, 0]])
     new = ExpertParallel(0, 4, slots, torch.ones(slots.shape, dtype=torch.float64))
     assert sources(old, new).tolist() == [[0, 1], [1, 2], [3, 3], [0, 2]]
+
+
+def test_fill_to_level_places_every_expert_once_in_full_and_rebalance_takes_the_lower_peak() -> (
+    None
+):
+    """32 ranks, 64 experts + 8 copies on a Zipf-skewed load: every expert's shares sum to one,
+    no rank holds more slots than the width, and rebalance's peak is the lower of the two
+    placements'."""
+    load = zipf_trace(64, 4, 512, 20, exponent=0.5, seed=3).sum(dim=(0, 1)).double()
+    filled = fill_to_level(list(range(64)), load, 72, 32)
+    assert filled is not None
+    held = filled.slots >= 0
+    assert filled.slots.shape == (32, 3) and int(held.sum()) <= 72
+    totals = torch.zeros(64, dtype=torch.float64).index_add_(
+        0, filled.slots[held], filled.shares[held]
+    )
+    torch.testing.assert_close(totals, torch.ones(64, dtype=torch.float64))
+    packed = replicate_and_pack(list(range(64)), load, 72, 32)
+    chosen = rebalance(load, 32, 8, policy="global")
+    peaks = [float(p.rank_loads(load).max()) for p in (packed, filled, chosen)]
+    assert peaks[2] == min(peaks[0], peaks[1])

@@ -21,6 +21,7 @@ and half 4; a ``Placement`` pads the short ranks with -1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,17 @@ def refine(packs: list[list[int]], weights: torch.Tensor, max_moves: int = 10_00
 
 
 def place_on_ranks(experts: list[int], load: torch.Tensor, slots: int, ranks: int) -> Placement:
+    """The better (lower peak on ``load``) of two placements of ``experts`` on ``ranks`` ranks
+    with ``slots`` copies: ``replicate_and_pack`` and ``fill_to_level``."""
+    packed = replicate_and_pack(experts, load, slots, ranks)
+    filled = fill_to_level(experts, load, slots, ranks)
+    if filled is None:
+        return packed
+    peak = [float(p.rank_loads(load).max()) for p in (packed, filled)]
+    return filled if peak[1] < peak[0] else packed
+
+
+def replicate_and_pack(experts: list[int], load: torch.Tensor, slots: int, ranks: int) -> Placement:
     """Replicates ``experts`` (logical ids) into ``slots`` copies, packs them onto ``ranks``
     ranks, then alternates ``level_shares`` and ``repack`` among these ranks only."""
     copies = replicate(load[experts], slots)
@@ -146,6 +158,77 @@ def place_on_ranks(experts: list[int], load: torch.Tensor, slots: int, ranks: in
     for _ in range(3):
         placement = repack(level_shares(placement, load), load)
     return level_shares(placement, load)
+
+
+def fill_to_level(
+    experts: list[int], load: torch.Tensor, slots: int, ranks: int, steps: int = 20
+) -> Placement | None:
+    """The lowest level (a bisection over ``steps`` halvings) to which the ranks can be filled:
+    every expert gets the fewest copies whose load fits under the level; experts of one copy
+    go heaviest first onto the fullest rank they fit on (best fit), then each replicated
+    expert's load is poured into the ranks with the most room, one copy per rank it touches,
+    as long as slots last. Where the greedy ``replicate_and_pack`` leaves large single
+    experts with no partner small enough (many ranks, few slots each), this packs to a
+    level instead. None if no level was found below twice the mean."""
+    weights = load[experts].double()
+    mean = float(weights.sum()) / ranks
+    if mean <= 0:
+        return None
+    low, high, best = 1.0, 2.0, None
+    for _ in range(steps):
+        level = (low + high) / 2
+        placed = _fill(weights.tolist(), slots, ranks, level * mean)
+        if placed is None:
+            low = level
+        else:
+            high, best = level, placed
+    if best is None:
+        return None
+    width = max(len(rank) for rank in best)
+    table = torch.full((ranks, width), -1, dtype=torch.int64)
+    shares = torch.zeros((ranks, width), dtype=torch.float64)
+    for r, rank in enumerate(best):
+        for slot, (item, amount) in enumerate(rank):
+            table[r, slot] = experts[item]
+            weight = float(weights[item])
+            shares[r, slot] = amount / weight if weight > 0 else 1.0  # an idle expert: one copy
+    return Placement(table, shares)
+
+
+def _fill(
+    weights: list[float], slots: int, ranks: int, cap: float
+) -> list[list[tuple[int, float]]] | None:
+    """(item, load) per rank with every rank at most ``cap``, or None (see fill_to_level)."""
+    width = -(-slots // ranks)
+    copies = [max(1, math.ceil(w / cap)) if w > 0 else 1 for w in weights]
+    if sum(copies) > slots:
+        return None
+    packed: list[list[tuple[int, float]]] = [[] for _ in range(ranks)]
+    loads = [0.0] * ranks
+    order = sorted(range(len(weights)), key=lambda i: -weights[i])
+    for item in (i for i in order if copies[i] == 1):
+        fits = [
+            r for r in range(ranks) if len(packed[r]) < width and loads[r] + weights[item] <= cap
+        ]
+        if not fits:
+            return None
+        rank = max(fits, key=loads.__getitem__)
+        packed[rank].append((item, weights[item]))
+        loads[rank] += weights[item]
+    pieces = slots - sum(1 for c in copies if c == 1)
+    for item in (i for i in order if copies[i] > 1):
+        rest = weights[item]
+        while rest > 1e-9 * cap:
+            room = [r for r in range(ranks) if len(packed[r]) < width and loads[r] < cap]
+            if not room or pieces == 0:
+                return None
+            rank = max(room, key=lambda r: cap - loads[r])
+            amount = min(rest, cap - loads[rank])
+            packed[rank].append((item, amount))
+            loads[rank] += amount
+            rest -= amount
+            pieces -= 1
+    return packed
 
 
 def pack_groups(load: torch.Tensor, num_groups: int, num_nodes: int) -> list[list[int]]:
