@@ -8,6 +8,7 @@ Unknown keys and wrongly typed values are errors that name the offending dotted 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from splitserve.typed_config import ConfigError, build, set_dotted
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 ROLES = ("both", "prefill", "decode", "vision")
+POOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
 ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 DAY_S = 24 * 3600.0
@@ -270,6 +272,10 @@ class DeployConfig:
         _require(bool(self.model), "model must not be empty")
         _require(len(self.pools) >= 1, "pools must define at least one pool")
         _check_roles([p.role for p in self.pools.values()])
+        for name in self.pools:  # worker ids are <pool>-<index>[.<rank>] (services/api/)
+            _require(
+                bool(POOL_NAME.fullmatch(name)), f"pool name {name!r}: letters, digits, _ only"
+            )
         # Frozen: the completed pools go in the way dataclasses' own __init__ sets fields.
         object.__setattr__(
             self, "pools", {name: self._complete(p) for name, p in self.pools.items()}

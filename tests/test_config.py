@@ -188,3 +188,5 @@ def test_expert_parallel_is_the_pools_and_runs_decode_and_colocated_pools_only()
         load_config(None, ["pools.decode.expert_parallel=0"])
     with pytest.raises(ConfigError, match="it is the pool's `expert_parallel`"):
         load_config(None, ["pools.decode.engine.expert_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"pool name 'dec\.ode'"):  # ranks: <pool>-<i>.<rank>
+        load_config(None, ["pools={dec.ode: {role: both}}"])
