@@ -1,5 +1,5 @@
 """The MoE router in one launch (softmax over the experts, the top_k, renormalization), and
-the token permutation of a decode step in one launch.
+a decode step's token permutation and its combine in one launch each.
 
 torch runs the router as about six launches per layer (the float32 cast, softmax, a top-k that
 gathers then sorts its candidates, the renormalizing sum and division): on an H200 at batch 1
@@ -105,3 +105,40 @@ def permute(
         E_PAD=triton.next_power_of_2(num_experts + 1),
     )  # fmt: skip
     return order, rows, offsets
+
+
+@triton.jit
+def _combine_kernel(
+    rows_ptr, order_ptr, weights_ptr, out_ptr, pairs, hidden,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    p = tl.arange(0, P_PAD)
+    order = tl.load(order_ptr + p, mask=p < pairs, other=-1)
+    slots = tl.arange(0, K_PAD)
+    real = slots < TOP_K
+    # Where each of the token's (token, slot) pairs sits among the sorted rows.
+    match = order[None, :] == (token * TOP_K + slots)[:, None]
+    position = tl.sum(tl.where(match, p[None, :], 0), 1).to(tl.int64)
+    weight = tl.load(weights_ptr + token * TOP_K + slots, mask=real, other=0.0)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = real[:, None] & (h < hidden)[None, :]
+        rows = tl.load(rows_ptr + position[:, None] * hidden + h[None, :], mask=mask, other=0.0)
+        summed = tl.sum(rows.to(tl.float32) * weight[:, None], 0)
+        tl.store(out_ptr + token.to(tl.int64) * hidden + h, summed, mask=h < hidden)
+
+
+def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``engine/layers/moe.py: combine`` in one launch, for at most MAX_PERMUTE_PAIRS rows:
+    each token's rows (found through ``order``) times their weights, summed in float32."""
+    tokens, top_k = weights.shape
+    pairs, hidden = sorted_out.shape
+    assert 0 < pairs <= MAX_PERMUTE_PAIRS and sorted_out.is_contiguous()
+    out = torch.empty((tokens, hidden), dtype=sorted_out.dtype, device=sorted_out.device)
+    _combine_kernel[(tokens,)](
+        sorted_out, order, weights.contiguous(), out, pairs, hidden,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), P_PAD=triton.next_power_of_2(pairs),
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+    )  # fmt: skip
+    return out

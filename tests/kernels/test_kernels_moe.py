@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.engine.layers.moe import SparseMoE, permute, route
+from splitserve.engine.layers.moe import SparseMoE, combine, permute, route
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import set_kernels_on_cpu
@@ -109,3 +109,21 @@ def test_permute_kernel_equals_the_stable_sort(tokens: int, top_k: int, experts:
     assert torch.equal(got.order, expected.order)
     assert torch.equal(got.rows, expected.rows)
     assert torch.equal(got.offsets, expected.offsets)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "hidden"), [(1, 8, 64), (5, 3, 40), (16, 8, 1100)])
+def test_combine_kernel_equals_the_torch_code(tokens: int, top_k: int, hidden: int) -> None:
+    """Each token's rows found through the sort order, weighted, summed in float32; a hidden
+    size past one block (1100) and one that is not a power of two (40)."""
+    torch.manual_seed(tokens)
+    chosen = torch.stack([torch.randperm(16)[:top_k] for _ in range(tokens)])
+    perm = permute(chosen, 16)
+    rows = torch.randn(tokens * top_k, hidden, dtype=torch.float16)
+    weights = torch.rand(tokens, top_k)
+    expected = combine(rows, perm.order, weights)
+    set_kernels_on_cpu(True)
+    try:
+        got = combine(rows, perm.order, weights)
+    finally:
+        set_kernels_on_cpu(False)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=2e-3)

@@ -90,7 +90,14 @@ def permute(experts: torch.Tensor, num_experts: int) -> Permutation:
 
 def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[T * top_k, H] rows, row i that of flat (token, slot) ``order[i]`` -> [T, H]: each
-    token's rows times their weights, summed in float32 over its slots, in slot order."""
+    token's rows times their weights, summed in float32 over its slots, in slot order. On the
+    kernels, a decode step's in one launch (``kernels/moe_route.py``)."""
+    if sorted_out.shape[0] and use_kernels(sorted_out):
+        from splitserve.kernels.moe_route import MAX_PERMUTE_PAIRS
+        from splitserve.kernels.moe_route import combine as kernel
+
+        if sorted_out.shape[0] <= MAX_PERMUTE_PAIRS:
+            return kernel(sorted_out.contiguous(), order, weights)
     tokens, top_k = weights.shape
     unsorted = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
     summed = (
