@@ -99,6 +99,9 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
     ) as server:
         texts = asyncio.run(_complete_all(server, path, prompts))
         decoders = _decode_workers(server)
+        if ranks > 1:
+            ready = 'splitserve:expert_group_ranks{group="decode-0",'
+            assert _gauge(server, ready, 'state="ready"') == ranks
         if eplb:
             wait_for(lambda: _rebalanced(server, ranks), 10, message="every rank's rebalances")
     assert texts == [o.outputs[0].text for o in offline]
@@ -216,6 +219,14 @@ def _rebalanced(server: ServerProcess, ranks: int) -> bool:
     name = "splitserve:eplb_rebalances_total"
     counts = {worker_metric(server.url, name, f"decode-0.{r}") for r in range(ranks)}
     return len(counts) == 1 and min(counts) >= 2
+
+
+def _gauge(server: ServerProcess, prefix: str, label: str) -> float:
+    """The value of the /metrics series that starts with ``prefix`` and has ``label``."""
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(prefix) and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(prefix + label)
 
 
 def _ready(server: ServerProcess) -> bool:

@@ -67,6 +67,13 @@ class Metrics:
             ["model_name", "pool", "state"],
             registry=reg,
         )
+        self.expert_group_ranks = Gauge(
+            "splitserve:expert_group_ranks",
+            "Ranks of an expert-parallel group by state (a group serves only with every rank "
+            "ready)",
+            ["model_name", "pool", "group", "state"],
+            registry=reg,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.request_success = counter(
@@ -262,6 +269,13 @@ class Metrics:
         for pool, states in counts.items():
             for state in WORKER_STATES:
                 self.num_workers.labels(self.model_name, pool, state).set(states.get(state, 0))
+
+    def set_group_ranks(self, counts: dict[tuple[str, str], dict[str, int]]) -> None:
+        """counts: (pool, expert-parallel group) -> state -> ranks; absent states read 0."""
+        for (pool, group), states in counts.items():
+            for state in WORKER_STATES:
+                labels = (self.model_name, pool, group, state)
+                self.expert_group_ranks.labels(*labels).set(states.get(state, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -216,8 +216,13 @@ class WorkerPool:
         """Publish how many workers of each pool are in each state."""
         now = time.monotonic()
         counts: dict[str, dict[str, int]] = {}
+        groups: dict[tuple[str, str], dict[str, int]] = {}
         for w in self._live():
             states = counts.setdefault(w.pool, {})
             state = w.state(now, self.heartbeat_timeout_s)
             states[state] = states.get(state, 0) + 1
+            if w.group != w.worker_id:  # a rank of an expert-parallel group
+                ranks = groups.setdefault((w.pool, w.group), {})
+                ranks[state] = ranks.get(state, 0) + 1
         self.metrics.set_num_workers(counts)
+        self.metrics.set_group_ranks(groups)
