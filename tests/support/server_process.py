@@ -78,6 +78,12 @@ def serve(
     server = _start_ready(overrides, config, env)
     try:
         yield server
+    except BaseException:
+        _stop(server.process)
+        _drain(server)
+        # The test failed inside the block: the server's last lines go to the test's output.
+        print("".join(server.lines[-80:]), flush=True)
+        raise
     finally:
         _stop(server.process)
         _drain(server)

@@ -206,7 +206,7 @@ class Worker(ABC):
                 return
             except Exception as exc:
                 failures.append(time.monotonic())
-                if (
+                if self._steps_in_lockstep() or (
                     len(failures) == MAX_FAILED_ROUNDS
                     and failures[-1] - failures[0] < FAILED_ROUNDS_WINDOW_S
                 ):
@@ -214,6 +214,11 @@ class Worker(ABC):
                     return
                 self._recover(exc, self._failed_round())
         self._leave()
+
+    def _steps_in_lockstep(self) -> bool:
+        """A rank of an expert-parallel group: a round that raised may have skipped the
+        group's collectives, so the rank cannot go on in step with the others and stops."""
+        return False
 
     def _leave(self) -> None:  # noqa: B027 (optional: only a rank of a group has to)
         """After the loop stopped on purpose (``stop``): tell whoever steps with this loop."""

@@ -67,6 +67,9 @@ class EngineWorker(Worker):
         if warm_up:
             print(f"worker {self.worker_id}: kernels warmed up in {warm_up:.1f} s", flush=True)
 
+    def _steps_in_lockstep(self) -> bool:
+        return self.lockstep is not None
+
     def _leave(self) -> None:
         if self.lockstep is not None:
             self.lockstep.leave()
