@@ -28,7 +28,7 @@ from torch import nn
 
 from splitserve.engine.config import EPLBConfig
 from splitserve.engine.expert_parallel import ExpertParallel
-from splitserve.eplb.placement import imbalance, rebalance
+from splitserve.eplb.placement import Placement, imbalance, rebalance
 
 if TYPE_CHECKING:
     from splitserve.engine.layers.moe import SparseMoE
@@ -77,8 +77,8 @@ class LiveRebalancer:
             weights = load.to(torch.float64)
             placement = rebalance(weights, ep.size, self.config.redundant_experts, policy="global")
             new = ExpertParallel(ep.rank, ep.size, placement.slots, placement.shares, ep.group)
-            before.append(imbalance(_rank_loads(ep, weights)))
-            after.append(imbalance(_rank_loads(new, weights)))
+            before.append(imbalance(Placement(ep.slots, ep.shares).rank_loads(weights)))
+            after.append(imbalance(placement.rank_loads(weights)))
             move_experts(layer, new)
         self.rebalances += 1
         self.imbalance = sum(before) / len(before)
@@ -86,16 +86,9 @@ class LiveRebalancer:
             "eplb: rebalance %d at step %d: rank load max/mean %.3f -> %.3f (mean over layers)",
             self.rebalances,
             self.steps,
-            sum(before) / len(before),
+            self.imbalance,
             sum(after) / len(after),
         )
-
-
-def _rank_loads(ep: ExpertParallel, load: torch.Tensor) -> torch.Tensor:
-    """[ranks]: each rank's part of ``load`` [experts] under ``ep``'s placement and shares."""
-    held = ep.slots >= 0
-    per_slot = torch.where(held, load[ep.slots.clamp(min=0)] * ep.shares, 0.0)
-    return per_slot.sum(dim=1)
 
 
 def sources(old: ExpertParallel, new: ExpertParallel) -> torch.Tensor:

@@ -195,13 +195,8 @@ class KVTransport:
                 # own) until the timeout.
                 store = self._connect_store()
                 name = f"kv/{sender}->{receiver}/{generation}"
-                scoped = (
-                    SignedStore(store, self._key, name)
-                    if self._key is not None
-                    else dist.PrefixStore(name, store)
-                )
                 try:
-                    channel.group = self._new_group(scoped, rank)
+                    channel.group = self._new_group(scoped_store(store, self._key, name), rank)
                 except RuntimeError as exc:
                     with self._lock:
                         if self._groups.get(key) is channel:
@@ -243,6 +238,12 @@ class KVTransport:
             time.sleep(POLL_S)
 
 
+def scoped_store(store: Any, key: bytes | None, name: str) -> Any:
+    """``store``'s keys under ``name``: signed with ``key`` (kvstore/signed_store.py), or plain
+    when there is none."""
+    return SignedStore(store, key, name) if key is not None else dist.PrefixStore(name, store)
+
+
 def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     """A process group of ``size`` ranks over ``store`` (a scoped store: the group's own keys);
     blocks until every rank has joined or ``timeout`` has passed (RuntimeError)."""
@@ -277,8 +278,8 @@ def collective_group(
     engine/expert_parallel.py). ``key`` signs the rendezvous values as KVTransport's do."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
-    scoped = SignedStore(store, key, name) if key is not None else dist.PrefixStore(name, store)
     try:
+        scoped = scoped_store(store, key, name)
         return new_group(pick_backend(backend, device), scoped, rank, size, timeout)
     except RuntimeError as exc:
         raise TransferError(
