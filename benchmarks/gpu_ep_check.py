@@ -31,7 +31,7 @@ from splitserve.engine.expert_parallel import ExpertParallel  # noqa: E402
 from splitserve.engine.expert_rebalance import move_experts  # noqa: E402
 from splitserve.engine.layers.moe import SparseMoE  # noqa: E402
 from splitserve.engine.model_config import MoEConfig  # noqa: E402
-from splitserve.eplb.placement import rebalance  # noqa: E402
+from splitserve.eplb.rebalance import rebalance  # noqa: E402
 from splitserve.kvstore.transfer import StoreAddress, collective_group, start_store  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER, TOKENS = 256, 16, 4, 128, 96

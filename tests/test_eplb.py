@@ -9,17 +9,15 @@ import torch
 
 from splitserve.engine.expert_parallel import ExpertParallel
 from splitserve.engine.expert_rebalance import sources
-from splitserve.eplb.placement import (
-    Placement,
+from splitserve.eplb.placement import Placement, imbalance, static_placement
+from splitserve.eplb.rebalance import (
     balanced_packing,
     fill_to_level,
-    imbalance,
     rebalance,
     replicate,
     replicate_and_pack,
-    static_placement,
-    water_fill,
 )
+from splitserve.eplb.search import level_shares, repartition, spend_slots, water_fill
 from splitserve.eplb.simulate import SimConfig, StepCosts, simulate
 from splitserve.eplb.traces import load_trace, save_trace, zipf_trace
 
@@ -105,12 +103,10 @@ def test_each_new_slot_takes_its_expert_from_itself_else_the_old_copies_in_turn(
     assert sources(old, new).tolist() == [[0, 1], [1, 2], [3, 3], [0, 2]]
 
 
-def test_fill_to_level_places_every_expert_once_in_full_and_rebalance_takes_the_lower_peak() -> (
-    None
-):
+def test_fill_to_level_places_every_expert_once_and_rebalance_starts_from_the_lower_peak() -> None:
     """32 ranks, 64 experts + 8 copies on a Zipf-skewed load: every expert's shares sum to one,
-    no rank holds more slots than the width, and rebalance's peak is the lower of the two
-    placements'."""
+    no rank holds more slots than the width, and rebalance's peak is at most the lower of the
+    two placements' (it starts from that one and the local search never raises it)."""
     load = zipf_trace(64, 4, 512, 20, exponent=0.5, seed=3).sum(dim=(0, 1)).double()
     filled = fill_to_level(list(range(64)), load, 72, 32)
     assert filled is not None
@@ -123,4 +119,67 @@ def test_fill_to_level_places_every_expert_once_in_full_and_rebalance_takes_the_
     packed = replicate_and_pack(list(range(64)), load, 72, 32)
     chosen = rebalance(load, 32, 8, policy="global")
     peaks = [float(p.rank_loads(load).max()) for p in (packed, filled, chosen)]
-    assert peaks[2] == min(peaks[0], peaks[1])
+    assert peaks[2] <= min(peaks[0], peaks[1])
+
+
+def _expert_totals(placement: Placement, num_experts: int) -> torch.Tensor:
+    held = placement.slots >= 0
+    return torch.zeros(num_experts, dtype=torch.float64).index_add_(
+        0, placement.slots[held], placement.shares[held]
+    )
+
+
+def test_repartition_finds_the_closest_split_of_two_ranks() -> None:
+    """Rank 0 holds 7 + 4 + 4 = 15, rank 1 holds 6 + 3 = 9: no single move or swap evens
+    them (the gap is 6; moving a 4 leaves 11 / 13, swapping 7 for 6 or 4 for 3 narrows it to
+    4), splitting the five copies anew gives {7, 4} / {6, 4, 3} = 11 / 13, and no split does
+    better; shares are untouched."""
+    load = torch.tensor([7.0, 4, 4, 6, 3])
+    placement = Placement.even(torch.tensor([[0, 1, 2], [3, 4, -1]]), 5)
+    out = repartition(placement, load)
+    assert sorted(out.rank_loads(load).tolist()) == [11.0, 13.0]
+    assert (out.slots >= 0).sum(dim=1).tolist() in ([2, 3], [3, 2])
+    torch.testing.assert_close(_expert_totals(out, 5), torch.ones(5, dtype=torch.float64))
+
+
+def test_repartition_evens_a_zipf_placement_and_keeps_every_copy() -> None:
+    """128 ranks of 3 slots from the greedy packing: the loads' sum of squares falls and the
+    peak does not rise, every expert keeps its whole load, no rank holds more slots than
+    before or two copies of one expert."""
+    load = zipf_trace(256, 8, 2048, 20, exponent=0.5, seed=2).sum(dim=(0, 1)).double()
+    packed = replicate_and_pack(list(range(256)), load, 288, 128)
+    out = repartition(packed, load)
+    before, after = packed.rank_loads(load), out.rank_loads(load)
+    assert float(after.max()) <= float(before.max())
+    assert float((after**2).sum()) < float((before**2).sum())
+    assert out.slots.shape == packed.slots.shape
+    assert int((out.slots >= 0).sum()) == int((packed.slots >= 0).sum())
+    torch.testing.assert_close(_expert_totals(out, 256), torch.ones(256, dtype=torch.float64))
+    for row in out.slots.tolist():
+        held = [e for e in row if e >= 0]
+        assert len(set(held)) == len(held)
+
+
+def test_spend_slots_copies_the_peak_ranks_expert_onto_a_free_slot() -> None:
+    """Expert 0 (load 6) alone on rank 0, experts 1 and 2 (2 each) on rank 1, one free slot
+    of four: a copy of expert 0 on rank 1 with 5/6 and 1/6 of its tokens evens them."""
+    load = torch.tensor([6.0, 2, 2])
+    placement = Placement.even(torch.tensor([[0, -1, -1], [1, 2, -1]]), 3)
+    out = spend_slots(placement, load, slots=4)
+    assert out.rank_loads(load).tolist() == [5.0, 5.0]
+    assert out.replicas(3).tolist() == [2, 1, 1]
+    torch.testing.assert_close(_expert_totals(out, 3), torch.ones(3, dtype=torch.float64))
+    # With no slot to spend and no copy to merge, nothing moves.
+    assert torch.equal(spend_slots(placement, load, slots=3).slots, placement.slots)
+
+
+def test_rebalance_at_128_ranks_stays_within_its_slots_and_levels_to_two_percent() -> None:
+    """256 experts + 32 copies on 128 ranks (3 slots each at most), Zipf-skewed: balanced on
+    the load it was computed from to within 2% (1.077 before repartition and spend_slots);
+    every expert served in full, at most 288 copies."""
+    load = zipf_trace(256, 8, 2048, 50, exponent=0.5, seed=0).sum(dim=(0, 1)).double()
+    placement = rebalance(load, 128, 32, policy="global")
+    assert imbalance(placement.rank_loads(load)) < 1.02
+    assert int((placement.slots >= 0).sum()) <= 288 and placement.slots.shape[1] == 3
+    torch.testing.assert_close(_expert_totals(placement, 256), torch.ones(256, dtype=torch.float64))
+    assert level_shares(placement, load).rank_loads(load).max() <= placement.rank_loads(load).max()

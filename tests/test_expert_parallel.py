@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EPLBConfig
-from splitserve.eplb.placement import rebalance
+from splitserve.eplb.rebalance import rebalance
 from tests.support.ep_worker import generate_in_group
 from tests.support.server_process import free_port
 from tests.support.tiny_models import tiny_model

@@ -28,7 +28,8 @@ from torch import nn
 
 from splitserve.engine.config import EPLBConfig
 from splitserve.engine.expert_parallel import ExpertParallel
-from splitserve.eplb.placement import Placement, imbalance, rebalance
+from splitserve.eplb.placement import Placement, imbalance
+from splitserve.eplb.rebalance import rebalance
 
 if TYPE_CHECKING:
     from splitserve.engine.layers.moe import SparseMoE

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from splitserve.eplb.placement import Placement, imbalance, rebalance, static_placement
+from splitserve.eplb.placement import Placement, imbalance, static_placement
+from splitserve.eplb.rebalance import rebalance
 
 
 @dataclass(frozen=True)
