@@ -3,7 +3,7 @@
 Every ``eplb.interval_steps`` steps of the group (the ranks step in lockstep, so every rank
 reaches the same step at once), each MoE layer's expert load since the last rebalance (the
 (token, expert) pairs each rank routed, summed over the group with one all-reduce) goes
-through DeepSeek's placement (splitserve/eplb/placement.py, the global policy that DeepSeek
+through DeepSeek's placement (splitserve/eplb/rebalance.py, the global policy that DeepSeek
 uses for decode): ``redundant_experts`` extra copies of the hottest experts, the copies packed
 onto the ranks to even their loads. Then the weights move: every new slot takes its expert
 from a rank that held it before (itself when it did), in one all-to-all of gate|up rows and
