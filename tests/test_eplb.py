@@ -183,3 +183,31 @@ def test_rebalance_at_128_ranks_stays_within_its_slots_and_levels_to_two_percent
     assert int((placement.slots >= 0).sum()) <= 288 and placement.slots.shape[1] == 3
     torch.testing.assert_close(_expert_totals(placement, 256), torch.ones(256, dtype=torch.float64))
     assert level_shares(placement, load).rank_loads(load).max() <= placement.rank_loads(load).max()
+
+
+def test_step_costs_fit_the_expert_gemm_from_a_measurement() -> None:
+    """A gpu_moe.py gemm JSON made from known constants (10 us fixed, 2 us per expert, 0.03 us
+    per row, split over gate_up and down) gives them back; the all-to-all's stay."""
+    shape = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
+    rows = []
+    for tokens, hit in ((1, 8), (64, 126), (256, 128)):
+        total = 10.0 + 2.0 * hit + 0.03 * tokens * 8
+        rows.append(
+            {
+                "tokens": tokens,
+                "active_experts": hit,
+                "gate_up": {"grouped_us": 0.6 * total},
+                "down": {"grouped_us": 0.4 * total},
+            }
+        )
+    costs = StepCosts().from_gemm_measurement({"shape": shape, "rows": rows})
+    assert costs.expert_bytes == 3 * 2048 * 768 * 2 and costs.row_bytes == 4096
+    assert costs.gemm_fixed_us == pytest.approx(10.0)
+    assert costs.expert_bytes / costs.hbm_bytes_per_us == pytest.approx(2.0)
+    assert costs.us_per_row == pytest.approx(0.03)
+    assert costs.link_bytes_per_us == StepCosts().link_bytes_per_us
+    one_rank = costs.step_us(torch.tensor([[8.0]]), torch.tensor([[8.0]]))
+    a2a = 2 * (costs.a2a_latency_us + 8 * 4096 / costs.link_bytes_per_us)
+    assert float(one_rank) == pytest.approx(10.0 + 16.0 + 0.24 + a2a)
+    with pytest.raises(ValueError, match="at least three"):
+        StepCosts().from_gemm_measurement({"shape": shape, "rows": rows[:2]})

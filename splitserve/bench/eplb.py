@@ -4,13 +4,15 @@ The trace is synthetic (``--trace zipf`` or ``drift``), a JSON file recorded fro
 (``--trace-file``), or recorded now (``--record MODEL``: the engine generates from random
 prompts with ``record_expert_load`` on and the trace is written to ``--trace-out``). For each
 group size in ``--ranks`` it reports the load imbalance (max / mean over ranks) without and
-with EPLB and the modelled MoE time of a decode step; the cost constants are parameters
-(``StepCosts``: not measured here).
+with EPLB and the modelled MoE time of a decode step. The cost constants are parameters
+(``StepCosts``); ``--gemm-costs`` fits the expert GEMM's from a measurement on a GPU
+(``benchmarks/gpu_moe.py gemm``'s JSON). The all-to-all's are not measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -44,12 +46,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = StepCosts()
     for field, value in vars(defaults).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=float, default=value)
+    parser.add_argument(
+        "--gemm-costs",
+        type=Path,
+        default=None,
+        help="fit the expert GEMM's costs from this gpu_moe.py gemm JSON",
+    )
     parser.add_argument("--out", type=Path, default=None)
 
 
 def run(args: argparse.Namespace) -> int:
     trace, source = _trace(args)
     costs = StepCosts(**{f: getattr(args, f) for f in vars(StepCosts())})
+    measured: dict[str, Any] = {"expert_gemm": None, "all_to_all": None}
+    if args.gemm_costs is not None:
+        gemm = json.loads(args.gemm_costs.read_text())
+        costs = costs.from_gemm_measurement(gemm)
+        measured["expert_gemm"] = {
+            "path": str(args.gemm_costs),
+            "device": gemm.get("device"),
+            "shape": gemm["shape"],
+            "git_commit": gemm.get("git_commit"),
+        }
     load = trace.sum(dim=0).double()
     results = []
     for ranks in args.ranks:
@@ -69,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             "shape": list(trace.shape),
             "hot_over_mean": float((load.max(dim=1).values / load.mean(dim=1)).mean()),
         },
-        "costs": {"measured": False} | vars(costs),
+        "costs": {"measured": measured} | vars(costs),
         "results": results,
     }
     emit(report, args.out)

@@ -10,13 +10,15 @@ of both runs unless it is the only one). Reported per layer and averaged:
   balances: the expected load; intervals after the first);
 - step imbalance: the same per step (at small batches sampling noise dominates it);
 - modelled step time of the MoE part of a decode step (``StepCosts``): the ranks wait for the
-  slowest one (lockstep), whose expert GEMMs read each expert it serves once and take time per
-  row, plus a dispatch and a combine all-to-all sized by the busiest rank's rows.
+  slowest one (lockstep), whose expert GEMMs take a fixed time, read each expert it serves
+  once and take time per row, plus a dispatch and a combine all-to-all sized by the busiest
+  rank's rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
@@ -28,7 +30,8 @@ from splitserve.eplb.rebalance import rebalance
 class StepCosts:
     """Cost constants, in microseconds and bytes. The defaults are not measured: they are
     DeepSeek-V3-like experts (7168 x 2048, 3 matrices, FP8) on the design card's H200
-    bandwidth (4.24 TB/s) and a 50 GB/s per-GPU network with 20 us per all-to-all."""
+    bandwidth (4.24 TB/s) and a 50 GB/s per-GPU network with 20 us per all-to-all.
+    ``from_gemm_measurement`` takes the expert GEMM's constants from a measurement."""
 
     expert_bytes: float = 3 * 7168 * 2048
     hbm_bytes_per_us: float = 4.24e6
@@ -36,14 +39,53 @@ class StepCosts:
     row_bytes: float = 7168 * 2
     link_bytes_per_us: float = 5.0e4
     a2a_latency_us: float = 20.0
+    gemm_fixed_us: float = 0.0
 
     def step_us(self, rows: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """rows, active: [..., ranks] rows and serving experts per rank -> [...] time."""
-        gemm = active * self.expert_bytes / self.hbm_bytes_per_us + rows * self.us_per_row
+        gemm = (
+            self.gemm_fixed_us
+            + active * self.expert_bytes / self.hbm_bytes_per_us
+            + rows * self.us_per_row
+        )
         a2a = (
             self.a2a_latency_us + rows.max(dim=-1).values * self.row_bytes / self.link_bytes_per_us
         )
         return gemm.max(dim=-1).values + 2 * a2a
+
+    def from_gemm_measurement(self, measured: dict[str, Any]) -> StepCosts:
+        """These costs with the expert GEMM's from ``benchmarks/gpu_moe.py gemm``'s JSON (the
+        grouped kernel's gate_up + down device time at several token counts): time = fixed +
+        experts hit x (expert bytes / bandwidth) + rows x time per row, fitted by least
+        squares; bf16 experts and rows of the measured shape. The all-to-all stays as it
+        is (it needs two GPUs to measure)."""
+        shape = measured["shape"]
+        points = [
+            (r["active_experts"], r["tokens"] * shape["top_k"])
+            for r in measured["rows"]
+        ]  # fmt: skip
+        if len(points) < 3:
+            raise ValueError("a GEMM measurement needs at least three token counts to fit")
+        design = torch.tensor([[1.0, e, n] for e, n in points], dtype=torch.float64)
+        times = torch.tensor(
+            [r["gate_up"]["grouped_us"] + r["down"]["grouped_us"] for r in measured["rows"]],
+            dtype=torch.float64,
+        )
+        fixed, per_expert, per_row = torch.linalg.lstsq(design, times[:, None]).solution[:, 0]
+        if per_expert <= 0 or per_row < 0 or fixed < 0:
+            raise ValueError(
+                f"the GEMM measurement does not fit time = fixed + experts x a + rows x b "
+                f"(fixed {float(fixed):.2f} us, a {float(per_expert):.3f}, b {float(per_row):.4f})"
+            )
+        expert_bytes = 3 * shape["hidden"] * shape["inter"] * 2
+        return replace(
+            self,
+            expert_bytes=expert_bytes,
+            hbm_bytes_per_us=expert_bytes / float(per_expert),
+            us_per_row=float(per_row),
+            row_bytes=shape["hidden"] * 2,
+            gemm_fixed_us=float(fixed),
+        )
 
 
 @dataclass(frozen=True)
