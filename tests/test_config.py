@@ -190,3 +190,9 @@ def test_expert_parallel_is_the_pools_and_runs_decode_and_colocated_pools_only()
         load_config(None, ["pools.decode.engine.expert_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"pool name 'dec\.ode'"):  # ranks: <pool>-<i>.<rank>
         load_config(None, ["pools={dec.ode: {role: both}}"])
+
+
+def test_expert_load_dir_needs_the_load_recorded() -> None:
+    with pytest.raises(ValueError, match="expert_load_dir needs record_expert_load"):
+        EngineConfig(model="m", expert_load_dir="/tmp/load")
+    assert EngineConfig(model="m", record_expert_load=True, expert_load_dir="d").expert_load_dir

@@ -19,7 +19,7 @@ from splitserve.eplb.rebalance import (
 )
 from splitserve.eplb.search import level_shares, repartition, spend_slots, water_fill
 from splitserve.eplb.simulate import SimConfig, StepCosts, simulate
-from splitserve.eplb.traces import load_trace, save_trace, zipf_trace
+from splitserve.eplb.traces import load_served, load_trace, save_trace, zipf_trace
 
 
 def test_balanced_packing_puts_the_heaviest_on_the_lightest_pack_with_room() -> None:
@@ -211,3 +211,16 @@ def test_step_costs_fit_the_expert_gemm_from_a_measurement() -> None:
     assert float(one_rank) == pytest.approx(10.0 + 16.0 + 0.24 + a2a)
     with pytest.raises(ValueError, match="at least three"):
         StepCosts().from_gemm_measurement({"shape": shape, "rows": rows[:2]})
+
+
+def test_load_served_joins_each_workers_parts_and_adds_the_workers(tmp_path: Path) -> None:
+    trace = zipf_trace(8, 2, tokens_per_step=4, steps=6, layers=2, seed=5)
+    save_trace(trace[:3], tmp_path / "decode-0.0-g0-0000.json")
+    save_trace(trace[3:4], tmp_path / "decode-0.0-g0-0001.json")
+    save_trace(trace[4:], tmp_path / "decode-0.0-g1-0000.json")  # restarted
+    save_trace(2 * trace[:5], tmp_path / "decode-0.1-g0-0000.json")
+    (tmp_path / "notes.txt").write_text("not a trace")
+    served = load_served(tmp_path)
+    assert torch.equal(served, 3 * trace[:5])  # rank 1 wrote 5 steps: the sum is cut there
+    with pytest.raises(ValueError, match="no <worker id>-g<generation>-<part>"):
+        load_served(tmp_path / "empty")

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.cli import main as cli_main
+from splitserve.eplb.traces import load_served
 from tests.support.reference import assert_greedy_equal, hf_greedy
 from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
 from tests.support.tiny_models import tiny_mixtral, tiny_qwen3_moe
@@ -60,6 +62,7 @@ def checkpoints(
 
 
 EPLB = "pools.decode.engine.eplb={interval_steps: 3, redundant_experts: 2}"
+RECORD = "pools.decode.engine.record_expert_load=true"
 
 
 @pytest.mark.parametrize(
@@ -85,17 +88,26 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
     family: str,
     ranks: int,
     eplb: bool,
+    tmp_path: Path,
 ) -> None:
     """With ``eplb``, the group rebalances its experts every 3 steps while it decodes (2
-    redundant copies): the outputs do not change."""
+    redundant copies): the outputs do not change. The Qwen3-MoE group of 4 records its expert
+    load to files (``expert_load_dir``) that the EPLB simulator reads."""
     model, path, reference = checkpoints[family]
     llm = LLM(model=path, max_model_len=512, block_size=16)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     offline = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output, ref in zip(prompts, offline, reference):
         assert_greedy_equal(model, prompt, output.outputs[0].token_ids, ref)
+    trace_dir = tmp_path / "expert-load"
+    record = family == "qwen3_moe" and ranks == 4
+    recording = [RECORD, f"pools.decode.engine.expert_load_dir={trace_dir}"] if record else []
     with serve(
-        f"model={path}", f"pools.decode.expert_parallel={ranks}", *SMALL, *([EPLB] if eplb else [])
+        f"model={path}",
+        f"pools.decode.expert_parallel={ranks}",
+        *SMALL,
+        *([EPLB] if eplb else []),
+        *recording,
     ) as server:
         texts = asyncio.run(_complete_all(server, path, prompts))
         decoders = _decode_workers(server)
@@ -107,6 +119,29 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
     assert texts == [o.outputs[0].text for o in offline]
     names = {"decode-0"} if ranks == 1 else {f"decode-0.{r}" for r in range(ranks)}
     assert decoders == names, f"requests decoded on {sorted(decoders)}, ranks {sorted(names)}"
+    if record:
+        _check_served_trace(trace_dir, names, model.config, len(prompts))
+
+
+def _check_served_trace(trace_dir: Path, ranks: set[str], config: Any, requests: int) -> None:
+    """Each rank wrote its expert load when the server stopped; in the group's sum every
+    decoded token was routed to top-k experts in every MoE layer, and the simulator reads
+    the directory."""
+    assert {p.name for p in trace_dir.iterdir()} == {f"{r}-g0-0000.json" for r in ranks}
+    trace = load_served(trace_dir)
+    moe_layers = config.num_hidden_layers - len(config.mlp_only_layers)
+    assert trace.shape[1:] == (moe_layers, config.num_experts)
+    per_layer = trace.sum(dim=(0, 2))
+    assert len(set(per_layer.tolist())) == 1, per_layer  # every token in every layer
+    tokens = int(per_layer[0]) // config.num_experts_per_tok
+    assert int(per_layer[0]) % config.num_experts_per_tok == 0
+    # The decode ranks step each request from its first token on: at most MAX_TOKENS - 1
+    # decode steps each, at least one for some request.
+    assert 0 < tokens <= requests * (MAX_TOKENS - 1), tokens
+    out = trace_dir / "simulated.json"
+    bench = ["bench", "eplb", "--trace-dir", str(trace_dir), "--ranks", "2", "4"]
+    assert cli_main([*bench, "--redundant", "0", "--interval", "4", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["trace"]["kind"] == "served"
 
 
 async def _complete_all(server: ServerProcess, model: str, prompts: list[list[int]]) -> list[str]:

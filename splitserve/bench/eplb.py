@@ -1,12 +1,14 @@
 """`splitserve bench eplb`: the EPLB simulator on an expert-load trace (``splitserve/eplb/``).
 
 The trace is synthetic (``--trace zipf`` or ``drift``), a JSON file recorded from a run
-(``--trace-file``), or recorded now (``--record MODEL``: the engine generates from random
-prompts with ``record_expert_load`` on and the trace is written to ``--trace-out``). For each
-group size in ``--ranks`` it reports the load imbalance (max / mean over ranks) without and
-with EPLB and the modelled MoE time of a decode step. The cost constants are parameters
-(``StepCosts``); ``--gemm-costs`` fits the expert GEMM's from a measurement on a GPU
-(``benchmarks/gpu_moe.py gemm``'s JSON). The all-to-all's are not measured.
+(``--trace-file``), the files a served decode pool wrote (``--trace-dir``: workers with
+``record_expert_load`` and ``expert_load_dir``), or recorded now (``--record MODEL``: the
+engine generates from random prompts with ``record_expert_load`` on and the trace is written
+to ``--trace-out``). For each group size in ``--ranks`` it reports the load imbalance (max /
+mean over ranks) without and with EPLB and the modelled MoE time of a decode step. The cost
+constants are parameters (``StepCosts``); ``--gemm-costs`` fits the expert GEMM's from a
+measurement on a GPU (``benchmarks/gpu_moe.py gemm``'s JSON). The all-to-all's are not
+measured.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from splitserve.bench.report import emit, header
 from splitserve.eplb.simulate import SimConfig, StepCosts, simulate
-from splitserve.eplb.traces import load_trace, save_trace, zipf_trace
+from splitserve.eplb.traces import load_served, load_trace, save_trace, zipf_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundant", type=int, default=32)
     parser.add_argument("--trace", choices=["zipf", "drift"], default="zipf")
     parser.add_argument("--trace-file", type=Path, default=None, help="a recorded trace (JSON)")
+    parser.add_argument(
+        "--trace-dir", type=Path, default=None, help="what served workers wrote (expert_load_dir)"
+    )
     parser.add_argument("--record", default=None, help="record a trace from this MoE model")
     parser.add_argument("--trace-out", type=Path, default=None, help="where --record writes")
     parser.add_argument("--exponent", type=float, default=0.5, help="Zipf exponent")
@@ -102,6 +107,8 @@ def _trace(args: argparse.Namespace) -> tuple[torch.Tensor, dict[str, Any]]:
         return trace, {"kind": "recorded", "model": args.record}
     if args.trace_file is not None:
         return load_trace(args.trace_file), {"kind": "file", "path": str(args.trace_file)}
+    if args.trace_dir is not None:
+        return load_served(args.trace_dir), {"kind": "served", "path": str(args.trace_dir)}
     drift = args.drift if args.trace == "drift" else 0.0
     trace = zipf_trace(
         args.experts, args.top_k, args.tokens_per_step, args.steps, args.layers,

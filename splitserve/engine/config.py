@@ -55,6 +55,10 @@ class EngineConfig:
     """Speculative decoding (engine/spec/, docs/speculative.md); None: off."""
     record_expert_load: bool = False
     """MoE models: keep each step's per-expert load (``engine/expert_load.py``)."""
+    expert_load_dir: str | None = None
+    """With ``record_expert_load``, a served worker writes the recorded load to this
+    directory, ``<worker id>-g<generation>-<part>.json`` every 1024 steps and when it stops
+    (the simulator's ``--trace-dir``); None: it is kept for ``LLMEngine.expert_load.take``."""
     expert_parallel_size: int = 1
     """MoE models: the experts are sharded over this many engine processes of one
     torch.distributed group, this one its rank (``engine/expert_parallel.py``)."""
@@ -77,5 +81,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.expert_load_dir is not None and not self.record_expert_load:
+            raise ValueError("expert_load_dir needs record_expert_load")
         if self.eplb is not None and self.record_expert_load:
             raise ValueError("eplb and record_expert_load both read the expert load counters")

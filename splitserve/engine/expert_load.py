@@ -43,6 +43,11 @@ class ExpertLoadRecorder:
             self.model.reset_expert_load()
         self._marked = True
 
+    @property
+    def recorded(self) -> int:
+        """Steps recorded and not taken yet, the last one (still counting) included."""
+        return len(self._steps) + int(self._marked)
+
     def take(self) -> torch.Tensor:
         """The loads of the steps recorded so far, the last one included; clears them."""
         if not self.enabled:

@@ -6,12 +6,14 @@ weight 1 / (r + 1) ** exponent, the ranking a random permutation per layer. A dr
 rotates the ranking by one place every ``1 / drift`` steps: every expert climbs one place and
 the hottest drops to the coldest, so the hot set changes while the system serves. Recorded
 traces come from the engine (``EngineConfig.record_expert_load``, ``engine/expert_load.py``)
-and are saved as JSON.
+and are saved as JSON; a served worker writes its own in parts (``expert_load_dir``), which
+``load_served`` puts together.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -52,3 +54,26 @@ def load_trace(path: Path) -> torch.Tensor:
     if list(trace.shape) != data["shape"] or trace.dim() != 3:
         raise ValueError(f"{path}: counts of shape {list(trace.shape)}, header {data['shape']}")
     return trace
+
+
+def load_served(directory: Path) -> torch.Tensor:
+    """The expert load that served workers wrote to ``directory``
+    (``<worker id>-g<generation>-<part>.json``, ``EngineConfig.expert_load_dir``): each
+    worker's parts joined in order (a restarted worker's after its earlier generation's),
+    then the workers' steps added up, cut to the fewest steps. The ranks of an
+    expert-parallel group step together, so their sum is the group's load per step; the
+    steps of independent workers are paired by index."""
+    parts: dict[str, list[tuple[int, int, Path]]] = {}
+    for path in directory.glob("*.json"):
+        match = re.fullmatch(r"(.+)-g(\d+)-(\d+)\.json", path.name)
+        if match is not None:
+            parts.setdefault(match[1], []).append((int(match[2]), int(match[3]), path))
+    if not parts:
+        raise ValueError(f"{directory}: no <worker id>-g<generation>-<part>.json files")
+    workers = [
+        torch.cat([load_trace(path) for *_, path in sorted(files)]) for files in parts.values()
+    ]
+    if len({w.shape[1:] for w in workers}) != 1:
+        raise ValueError(f"{directory}: the workers' layers and experts differ")
+    steps = min(len(w) for w in workers)
+    return torch.stack([w[:steps] for w in workers]).sum(dim=0)

@@ -9,11 +9,14 @@ colocated engines load prefixes from their block store and publish what they hol
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
+from pathlib import Path
 from typing import Any
 
 from splitserve.engine.request import Logprob, RequestOutput
+from splitserve.eplb.traces import save_trace
 from splitserve.services import messages as msg
 from splitserve.services.workers.base import Worker
 from splitserve.services.workers.expert_group import Lockstep, join_group
@@ -21,8 +24,12 @@ from splitserve.services.workers.grammar_waits import GrammarWaits
 from splitserve.services.workers.spec import WorkerSpec
 from splitserve.services.workers.worker_cache import WorkerCache
 
+logger = logging.getLogger("splitserve.worker")
+
 GRAMMAR_POLL_MS = 5
 """How often an idle worker looks for a finished grammar compile."""
+TRACE_PART_STEPS = 1024
+"""Steps of recorded expert load per file (``EngineConfig.expert_load_dir``)."""
 
 
 class EngineWorker(Worker):
@@ -37,6 +44,7 @@ class EngineWorker(Worker):
         self._transfer_seconds: queue.Queue[float] = queue.Queue()
         self.lockstep: Lockstep | None = None
         """Set for a rank of an expert-parallel group (services/workers/expert_group.py)."""
+        self._trace_parts = 0
 
     def _load(self) -> None:
         from splitserve.engine.llm_engine import LLMEngine
@@ -79,12 +87,29 @@ class EngineWorker(Worker):
         self.grammars.close()
         if self.cache is not None:
             self.cache.close()
+        loop_ended = self._thread is None or not self._thread.is_alive()
+        if loop_ended and hasattr(self, "engine"):
+            self._write_expert_load(0)  # the rest, now that no step runs
 
     def _round(self) -> None:
         super()._round()
         if self.cache is not None:
             for update in self.cache.tick():
                 self._send(update)
+        self._write_expert_load(TRACE_PART_STEPS)
+
+    def _write_expert_load(self, at_least: int) -> None:
+        """The recorded expert load to ``expert_load_dir`` once ``at_least`` steps are held
+        (0: whatever is held, when the worker stops)."""
+        directory = self.spec.engine.expert_load_dir
+        if directory is None or self.engine.expert_load.recorded < max(at_least, 1):
+            return
+        steps = self.engine.expert_load.take()
+        name = f"{self.worker_id}-g{self.generation}-{self._trace_parts:04d}.json"
+        path = Path(directory) / name
+        save_trace(steps, path)
+        self._trace_parts += 1
+        logger.info("worker %s: %d steps of expert load to %s", self.worker_id, len(steps), path)
 
     def _busy(self) -> bool:
         """Work for the next round: this engine's requests, or its group's."""
