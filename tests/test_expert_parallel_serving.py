@@ -61,6 +61,19 @@ def checkpoints(
     return built
 
 
+@pytest.fixture(scope="module")
+def offline(
+    checkpoints: dict[str, tuple[Any, str, list[list[int]]]], prompts: list[list[int]]
+) -> dict[str, list[Any]]:
+    """family -> the offline engine's greedy outputs (one engine per family for the module)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    outputs = {}
+    for family, (_, path, _) in checkpoints.items():
+        llm = LLM(model=path, max_model_len=512, block_size=16)
+        outputs[family] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return outputs
+
+
 EPLB = "pools.decode.engine.eplb={interval_steps: 3, redundant_experts: 2}"
 RECORD = "pools.decode.engine.record_expert_load=true"
 
@@ -84,6 +97,7 @@ RECORD = "pools.decode.engine.record_expert_load=true"
 )
 def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformers(
     checkpoints: dict[str, tuple[Any, str, list[list[int]]]],
+    offline: dict[str, list[Any]],
     prompts: list[list[int]],
     family: str,
     ranks: int,
@@ -94,11 +108,8 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
     redundant copies): the outputs do not change. The Qwen3-MoE group of 4 records its expert
     load to files (``expert_load_dir``) that the EPLB simulator reads."""
     model, path, reference = checkpoints[family]
-    llm = LLM(model=path, max_model_len=512, block_size=16)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    offline = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, output, ref in zip(prompts, offline, reference):
-        assert_greedy_equal(model, prompt, output.outputs[0].token_ids, ref)
+    for prompt, output, ref in zip(prompts, offline[family], reference):
+        assert_greedy_equal(model, prompt, output.token_ids, ref)
     trace_dir = tmp_path / "expert-load"
     record = family == "qwen3_moe" and ranks == 4
     recording = [RECORD, f"pools.decode.engine.expert_load_dir={trace_dir}"] if record else []
@@ -116,7 +127,7 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
             assert _gauge(server, ready, 'state="ready"') == ranks
         if eplb:
             wait_for(lambda: _rebalanced(server, ranks), 10, message="every rank's rebalances")
-    assert texts == [o.outputs[0].text for o in offline]
+    assert texts == [o.text for o in offline[family]]
     names = {"decode-0"} if ranks == 1 else {f"decode-0.{r}" for r in range(ranks)}
     assert decoders == names, f"requests decoded on {sorted(decoders)}, ranks {sorted(names)}"
     if record:
@@ -163,7 +174,9 @@ def _decode_workers(server: ServerProcess) -> set[str]:
 
 
 def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_comes_back(
-    checkpoints: dict[str, tuple[Any, str, list[list[int]]]], prompts: list[list[int]]
+    checkpoints: dict[str, tuple[Any, str, list[list[int]]]],
+    offline: dict[str, list[Any]],
+    prompts: list[list[int]],
 ) -> None:
     """Two decode groups of 2 ranks. SIGKILL one rank while every group streams: the requests
     of both its ranks continue on the other group (migration) with the text of an
@@ -173,8 +186,7 @@ def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_co
     params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True)
     llm = LLM(model=path, max_model_len=512, block_size=16)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    short = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    expected_short = [o.outputs[0].text for o in llm.generate(prompts, short, use_tqdm=False)]
+    expected_short = [o.text for o in offline["mixtral"]]
     with serve(
         f"model={path}", "pools.decode.replicas=2", "pools.decode.expert_parallel=2", *SMALL
     ) as server:
