@@ -6,7 +6,10 @@ Each rank builds the same layer (same seed: gate, all experts), keeps the expert
 slots, forms its group through a TCPStore the way a worker does (``collective_group``, backend
 by device: NCCL), routes its own tokens and runs ``ExpertParallel.run``; rank 0 compares every
 rank's output with the one-GPU layer on that rank's tokens. Then the group rebalances on a
-skewed load (2 redundant copies) and runs again. Prints one JSON line (and writes it to
+skewed load (2 redundant copies) and runs again. Last, every rank times the group's
+all-to-all (``all_to_all_single``, bf16 rows of 2,048 and 7,168 values split evenly over the
+ranks) at several row counts; the slowest rank's time per point goes to $OUT/a2a.json, which
+``splitserve bench eplb --a2a-costs`` fits. Prints one JSON line (and writes it to
 $OUT/ep-nccl-check.json); exit 1 on a mismatch.
 
     python3 benchmarks/gpu_ep_check.py            # every visible GPU, at least 2
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +85,34 @@ def run_rank(rank: int, size: int, address: StoreAddress, results: Any) -> None:
         new = ExpertParallel(rank, size, placement.slots, placement.shares, group)
         move_experts(moe, new)
         after = moe.experts(h).float().cpu()
-    results.put((rank, before, after, placement.slots.tolist()))
+    results.put((rank, before, after, placement.slots.tolist(), time_all_to_all(new, device)))
+
+
+def time_all_to_all(ep: ExpertParallel, device: torch.device) -> list[dict[str, float]]:
+    """Microseconds per all-to-all of ``rows`` bf16 rows sent by this rank, split evenly over
+    the ranks, through the engine's own call (``ExpertParallel.all_to_all``), after 3 warm-up
+    calls, mean of 20; CPU (Gloo) only the small sizes."""
+    cuda = device.type == "cuda"
+    points = []
+    for hidden in (2048, 7168) if cuda else (2048,):
+        for rows in (8, 64, 256, 1024, 4096) if cuda else (8, 64, 256):
+            rows = -(-rows // ep.size) * ep.size
+            splits = [rows // ep.size] * ep.size
+            x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+            out = torch.empty_like(x)
+            for _ in range(3):
+                ep.all_to_all(out, x, splits, splits)
+            ep.counts(torch.ones(ep.size, dtype=torch.int64, device=device))  # line up
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                ep.all_to_all(out, x, splits, splits)
+            if cuda:
+                torch.cuda.synchronize(device)
+            us = (time.perf_counter() - start) / 20 * 1e6
+            points.append({"rows": rows, "hidden": hidden, "us": us})
+    return points
 
 
 def main() -> int:
@@ -97,7 +128,7 @@ def main() -> int:
     ]
     for p in procs:
         p.start()
-    got = {rank: (b, a, s) for rank, b, a, s in (results.get(timeout=300) for _ in procs)}
+    got = {rank: (b, a, s, t) for rank, b, a, s, t in (results.get(timeout=300) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
     reference = layer(rank_device(0), None)
@@ -106,25 +137,35 @@ def main() -> int:
     with torch.no_grad():
         for rank in range(size):
             ref = reference.experts(tokens(rank, rank_device(0))).float().cpu()
-            before, after, _ = got[rank]
+            before, after, _, _ = got[rank]
             scale = float(ref.abs().max())
             err_before = float((before - ref).abs().max()) / scale
             err_after = float((after - ref).abs().max()) / scale
             ok &= err_before < 2e-2 and err_after < 2e-2
             rows.append({"rank": rank, "err_before": err_before, "err_after": err_after})
+    a2a = [
+        point | {"us": max(got[rank][3][i]["us"] for rank in range(size))}
+        for i, point in enumerate(got[0][3])
+    ]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    commit = os.environ.get("SPLITSERVE_GIT_COMMIT", "unknown")
+    timing = {"bench": "all_to_all", "world_size": size, "device": device, "rows": a2a}
     result = {
         "check": "ep-nccl",
         "ok": ok,
         "ranks": size,
         "placement_after": got[0][2],
         "rows": rows,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "git_commit": os.environ.get("SPLITSERVE_GIT_COMMIT", "unknown"),
+        "all_to_all": a2a,
+        "device": device,
+        "git_commit": commit,
     }
     line = json.dumps(result)
     print(line)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "ep-nccl-check.json").write_text(line + "\n")
+        timing["git_commit"] = commit
+        Path(os.environ["OUT"], "a2a.json").write_text(json.dumps(timing) + "\n")
     del store
     return 0 if ok else 1
 

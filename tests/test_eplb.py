@@ -224,3 +224,18 @@ def test_load_served_joins_each_workers_parts_and_adds_the_workers(tmp_path: Pat
     assert torch.equal(served, 3 * trace[:5])  # rank 1 wrote 5 steps: the sum is cut there
     with pytest.raises(ValueError, match="no <worker id>-g<generation>-<part>"):
         load_served(tmp_path / "empty")
+
+
+def test_step_costs_fit_the_all_to_all_from_a_measurement() -> None:
+    """gpu_ep_check.py's a2a.json made from 25 us + bytes at 100 GB/s gives both back."""
+    rows = [
+        {"rows": n, "hidden": h, "us": 25.0 + n * h * 2 / 1e5}
+        for h in (2048, 7168)
+        for n in (8, 256, 4096)
+    ]
+    costs = StepCosts().from_a2a_measurement({"world_size": 2, "rows": rows})
+    assert costs.a2a_latency_us == pytest.approx(25.0)
+    assert costs.link_bytes_per_us == pytest.approx(1e5)
+    assert costs.expert_bytes == StepCosts().expert_bytes
+    with pytest.raises(ValueError, match="at least two sizes"):
+        StepCosts().from_a2a_measurement({"rows": rows[:1]})

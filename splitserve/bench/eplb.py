@@ -6,15 +6,16 @@ The trace is synthetic (``--trace zipf`` or ``drift``), a JSON file recorded fro
 engine generates from random prompts with ``record_expert_load`` on and the trace is written
 to ``--trace-out``). For each group size in ``--ranks`` it reports the load imbalance (max /
 mean over ranks) without and with EPLB and the modelled MoE time of a decode step. The cost
-constants are parameters (``StepCosts``); ``--gemm-costs`` fits the expert GEMM's from a
-measurement on a GPU (``benchmarks/gpu_moe.py gemm``'s JSON). The all-to-all's are not
-measured.
+constants are parameters (``StepCosts``); ``--gemm-costs`` fits the expert GEMM's to a
+measurement on a GPU (``benchmarks/gpu_moe.py gemm``'s JSON), ``--a2a-costs`` the
+all-to-all's (``benchmarks/gpu_ep_check.py``'s ``a2a.json``, two GPUs or more).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,22 +58,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fit the expert GEMM's costs from this gpu_moe.py gemm JSON",
     )
+    parser.add_argument(
+        "--a2a-costs",
+        type=Path,
+        default=None,
+        help="fit the all-to-all's costs from this gpu_ep_check.py a2a.json",
+    )
     parser.add_argument("--out", type=Path, default=None)
 
 
 def run(args: argparse.Namespace) -> int:
     trace, source = _trace(args)
     costs = StepCosts(**{f: getattr(args, f) for f in vars(StepCosts())})
-    measured: dict[str, Any] = {"expert_gemm": None, "all_to_all": None}
-    if args.gemm_costs is not None:
-        gemm = json.loads(args.gemm_costs.read_text())
-        costs = costs.from_gemm_measurement(gemm)
-        measured["expert_gemm"] = {
-            "path": str(args.gemm_costs),
-            "device": gemm.get("device"),
-            "shape": gemm["shape"],
-            "git_commit": gemm.get("git_commit"),
-        }
+    try:
+        costs, measured = _measured_costs(args, costs)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"splitserve bench eplb: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     load = trace.sum(dim=0).double()
     results = []
     for ranks in args.ranks:
@@ -97,6 +99,31 @@ def run(args: argparse.Namespace) -> int:
     }
     emit(report, args.out)
     return 0
+
+
+def _measured_costs(args: argparse.Namespace, costs: StepCosts) -> tuple[StepCosts, dict[str, Any]]:
+    """``costs`` with the expert GEMM's and the all-to-all's fitted to the measurements given
+    (``--gemm-costs``, ``--a2a-costs``), and where each came from (None: not measured)."""
+    measured: dict[str, Any] = {"expert_gemm": None, "all_to_all": None}
+    if args.gemm_costs is not None:
+        gemm = json.loads(args.gemm_costs.read_text())
+        costs = costs.from_gemm_measurement(gemm)
+        measured["expert_gemm"] = {
+            "path": str(args.gemm_costs),
+            "device": gemm.get("device"),
+            "shape": gemm["shape"],
+            "git_commit": gemm.get("git_commit"),
+        }
+    if args.a2a_costs is not None:
+        a2a = json.loads(args.a2a_costs.read_text())
+        costs = costs.from_a2a_measurement(a2a)
+        measured["all_to_all"] = {
+            "path": str(args.a2a_costs),
+            "device": a2a.get("device"),
+            "world_size": a2a.get("world_size"),
+            "git_commit": a2a.get("git_commit"),
+        }
+    return costs, measured
 
 
 def _trace(args: argparse.Namespace) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -31,7 +31,8 @@ class StepCosts:
     """Cost constants, in microseconds and bytes. The defaults are not measured: they are
     DeepSeek-V3-like experts (7168 x 2048, 3 matrices, FP8) on the design card's H200
     bandwidth (4.24 TB/s) and a 50 GB/s per-GPU network with 20 us per all-to-all.
-    ``from_gemm_measurement`` takes the expert GEMM's constants from a measurement."""
+    ``from_gemm_measurement`` and ``from_a2a_measurement`` take the expert GEMM's and the
+    all-to-all's constants from measurements."""
 
     expert_bytes: float = 3 * 7168 * 2048
     hbm_bytes_per_us: float = 4.24e6
@@ -57,8 +58,7 @@ class StepCosts:
         """These costs with the expert GEMM's from ``benchmarks/gpu_moe.py gemm``'s JSON (the
         grouped kernel's gate_up + down device time at several token counts): time = fixed +
         experts hit x (expert bytes / bandwidth) + rows x time per row, fitted by least
-        squares; bf16 experts and rows of the measured shape. The all-to-all stays as it
-        is (it needs two GPUs to measure)."""
+        squares; bf16 experts and rows of the measured shape."""
         shape = measured["shape"]
         points = [
             (r["active_experts"], r["tokens"] * shape["top_k"])
@@ -86,6 +86,25 @@ class StepCosts:
             row_bytes=shape["hidden"] * 2,
             gemm_fixed_us=float(fixed),
         )
+
+    def from_a2a_measurement(self, measured: dict[str, Any]) -> StepCosts:
+        """These costs with the all-to-all's from ``benchmarks/gpu_ep_check.py``'s
+        ``a2a.json`` (the slowest rank's time per ``all_to_all_single`` of ``rows`` bf16 rows
+        of ``hidden`` values): time = latency + bytes sent / bandwidth, fitted by least
+        squares."""
+        rows = measured["rows"]
+        if len(rows) < 2:
+            raise ValueError("an all-to-all measurement needs at least two sizes to fit")
+        sent = [r["rows"] * r["hidden"] * 2 for r in rows]
+        design = torch.tensor([[1.0, b] for b in sent], dtype=torch.float64)
+        times = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
+        latency, per_byte = torch.linalg.lstsq(design, times[:, None]).solution[:, 0]
+        if per_byte <= 0 or latency < 0:
+            raise ValueError(
+                f"the all-to-all measurement does not fit time = latency + bytes / bandwidth "
+                f"(latency {float(latency):.2f} us, {float(per_byte):.3g} us per byte)"
+            )
+        return replace(self, a2a_latency_us=float(latency), link_bytes_per_us=1 / float(per_byte))
 
 
 @dataclass(frozen=True)
