@@ -113,6 +113,11 @@ class PoolConfig:
             self.expert_parallel == 1 or self.speculative is None,
             "speculative decoding does not run in expert_parallel groups",
         )
+        _require(
+            not self.engine.record_expert_load or self.engine.expert_load_dir is not None,
+            "a served record_expert_load needs engine.expert_load_dir (where its workers write "
+            "the load; nothing else takes it)",
+        )
         _require(self.devices >= 1, "devices must be at least 1")
         _require(self.num_cpus >= 0, "num_cpus must be non-negative")
         _require(self.num_threads >= 0, "num_threads must be non-negative (0 = all cores)")

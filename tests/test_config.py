@@ -196,3 +196,15 @@ def test_expert_load_dir_needs_the_load_recorded() -> None:
     with pytest.raises(ValueError, match="expert_load_dir needs record_expert_load"):
         EngineConfig(model="m", expert_load_dir="/tmp/load")
     assert EngineConfig(model="m", record_expert_load=True, expert_load_dir="d").expert_load_dir
+
+
+def test_a_served_pool_recording_the_expert_load_must_say_where_it_goes() -> None:
+    with pytest.raises(ConfigError, match="a served record_expert_load needs"):
+        load_config(overrides=["pools.decode.engine.record_expert_load=true"])
+    config = load_config(
+        overrides=[
+            "pools.decode.engine.record_expert_load=true",
+            "pools.decode.engine.expert_load_dir=/tmp/load",
+        ]
+    )
+    assert config.pools["decode"].engine.expert_load_dir == "/tmp/load"

@@ -21,7 +21,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.cli import main as cli_main
-from splitserve.eplb.traces import load_served
+from splitserve.eplb.traces import load_served, load_trace
 from tests.support.reference import assert_greedy_equal, hf_greedy
 from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
 from tests.support.tiny_models import tiny_mixtral, tiny_qwen3_moe
@@ -135,10 +135,12 @@ def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformer
 
 
 def _check_served_trace(trace_dir: Path, ranks: set[str], config: Any, requests: int) -> None:
-    """Each rank wrote its expert load when the server stopped; in the group's sum every
-    decoded token was routed to top-k experts in every MoE layer, and the simulator reads
-    the directory."""
+    """Each rank wrote its expert load when the server stopped, the same number of steps; in
+    the group's sum every decoded token was routed to top-k experts in every MoE layer, and
+    the simulator reads the directory."""
     assert {p.name for p in trace_dir.iterdir()} == {f"{r}-g0-0000.json" for r in ranks}
+    # An idle rank's pass counts as a step too: every rank recorded the group's steps.
+    assert len({len(load_trace(p)) for p in trace_dir.iterdir()}) == 1
     trace = load_served(trace_dir)
     moe_layers = config.num_hidden_layers - len(config.mlp_only_layers)
     assert trace.shape[1:] == (moe_layers, config.num_experts)

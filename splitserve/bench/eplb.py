@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    given = [args.record, args.trace_file, args.trace_dir]
+    if sum(source is not None for source in given) > 1:
+        print(
+            "splitserve bench eplb: give one of --record, --trace-file, --trace-dir",
+            file=sys.stderr,
+        )
+        return 2
     trace, source = _trace(args)
     costs = StepCosts(**{f: getattr(args, f) for f in vars(StepCosts())})
     try:

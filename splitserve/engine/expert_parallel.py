@@ -152,6 +152,7 @@ def lockstep_step(engine: LLMEngine) -> list[RequestOutput]:
     outputs = engine.step()
     model = engine.runner.model
     if engine.num_steps == steps and isinstance(model, MixtralForCausalLM):
+        engine.expert_load.mark_step()  # a recorded trace counts the group's step here too
         model.idle_step()
     if engine.eplb is not None:
         engine.eplb.after_step()

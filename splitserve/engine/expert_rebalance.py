@@ -75,7 +75,7 @@ class LiveRebalancer:
             load = layer.expert_load.clone()
             dist.all_reduce(load, group=ep.group)
             layer.expert_load.zero_()
-            weights = load.to(torch.float64)
+            weights = load.to("cpu", torch.float64)  # the placement is computed on the host
             placement = rebalance(weights, ep.size, self.config.redundant_experts, policy="global")
             new = ExpertParallel(ep.rank, ep.size, placement.slots, placement.shares, ep.group)
             before.append(imbalance(Placement(ep.slots, ep.shares).rank_loads(weights)))

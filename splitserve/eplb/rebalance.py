@@ -59,9 +59,10 @@ def place_on_ranks(experts: list[int], load: torch.Tensor, slots: int, ranks: in
     peak on ``load``) of ``replicate_and_pack`` and ``fill_to_level``, then ``repartition``
     and ``level_shares`` in turn (neither raises the peak)."""
     placement = replicate_and_pack(experts, load, slots, ranks)
-    filled = fill_to_level(experts, load, slots, ranks)
-    if filled is not None and _peak(filled, load) < _peak(placement, load):
-        placement = filled
+    for whole_rest in (False, True):
+        filled = fill_to_level(experts, load, slots, ranks, whole_rest=whole_rest)
+        if filled is not None and _peak(filled, load) < _peak(placement, load):
+            placement = filled
     for _ in range(3):
         polished = level_shares(repartition(placement, load), load)
         polished = level_shares(spend_slots(polished, load, slots), load)
@@ -92,15 +93,23 @@ def replicate_and_pack(experts: list[int], load: torch.Tensor, slots: int, ranks
 
 
 def fill_to_level(
-    experts: list[int], load: torch.Tensor, slots: int, ranks: int, steps: int = 20
+    experts: list[int],
+    load: torch.Tensor,
+    slots: int,
+    ranks: int,
+    steps: int = 20,
+    whole_rest: bool = False,
 ) -> Placement | None:
     """The lowest level (a bisection over ``steps`` halvings) to which the ranks can be filled:
     every expert gets the fewest copies whose load fits under the level; experts of one copy
     go heaviest first onto the fullest rank they fit on (best fit), then each replicated
     expert's load is poured into the ranks with the most room, one copy per rank it touches,
-    as long as slots last. Where the greedy ``replicate_and_pack`` leaves large single
-    experts with no partner small enough (many ranks, few slots each), this packs to a
-    level instead. None if no level was found below twice the mean."""
+    as long as slots last (``whole_rest``: what is left of an expert goes whole into the
+    fullest rank it fits, where one does: fewer copies, but it can take slots that later
+    experts needed, so ``place_on_ranks`` tries both). Where the greedy
+    ``replicate_and_pack`` leaves large single experts with no partner small enough (many
+    ranks, few slots each), this packs to a level instead. None if no level was found below
+    twice the mean."""
     weights = load[experts].double()
     mean = float(weights.sum()) / ranks
     if mean <= 0:
@@ -108,7 +117,7 @@ def fill_to_level(
     low, high, best = 1.0, 2.0, None
     for _ in range(steps):
         level = (low + high) / 2
-        placed = _fill(weights.tolist(), slots, ranks, level * mean)
+        placed = _fill(weights.tolist(), slots, ranks, level * mean, whole_rest)
         if placed is None:
             low = level
         else:
@@ -127,7 +136,7 @@ def fill_to_level(
 
 
 def _fill(
-    weights: list[float], slots: int, ranks: int, cap: float
+    weights: list[float], slots: int, ranks: int, cap: float, whole_rest: bool
 ) -> list[list[tuple[int, float]]] | None:
     """(item, load) per rank with every rank at most ``cap``, or None (see fill_to_level)."""
     width = -(-slots // ranks)
@@ -153,10 +162,11 @@ def _fill(
             room = [r for r in range(ranks) if len(packed[r]) < width and loads[r] < cap]
             if not room or pieces == 0:
                 return None
-            # the rest whole into the fullest rank it fits, else as much as fits into the
-            # emptiest one
-            fits = [r for r in room if cap - loads[r] >= rest]
-            rank = max(fits, key=loads.__getitem__) if fits else min(room, key=loads.__getitem__)
+            fits = [r for r in room if cap - loads[r] >= rest] if whole_rest else []
+            if fits:  # the rest whole, into the fullest rank it fits
+                rank = max(fits, key=loads.__getitem__)
+            else:  # as much as fits, into the rank with the most room
+                rank = max(room, key=lambda r: cap - loads[r])
             amount = min(rest, cap - loads[rank])
             packed[rank].append((item, amount))
             loads[rank] += amount

@@ -58,7 +58,8 @@ class StepCosts:
         """These costs with the expert GEMM's from ``benchmarks/gpu_moe.py gemm``'s JSON (the
         grouped kernel's gate_up + down device time at several token counts): time = fixed +
         experts hit x (expert bytes / bandwidth) + rows x time per row, fitted by least
-        squares; bf16 experts and rows of the measured shape."""
+        squares; bf16 experts of the measured shape, and its hidden size for the rows the
+        all-to-all sends (``row_bytes``); the other all-to-all constants stay."""
         shape = measured["shape"]
         points = [
             (r["active_experts"], r["tokens"] * shape["top_k"])

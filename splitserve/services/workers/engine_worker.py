@@ -10,6 +10,7 @@ colocated engines load prefixes from their block store and publish what they hol
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from pathlib import Path
@@ -100,14 +101,23 @@ class EngineWorker(Worker):
 
     def _write_expert_load(self, at_least: int) -> None:
         """The recorded expert load to ``expert_load_dir`` once ``at_least`` steps are held
-        (0: whatever is held, when the worker stops)."""
+        (0: whatever is held, when the worker stops). Written to a temporary name and renamed,
+        never over an earlier file (a restarted worker numbers on); a failed write is logged
+        and loses those steps, never the worker's requests."""
         directory = self.spec.engine.expert_load_dir
         if directory is None or self.engine.expert_load.recorded < max(at_least, 1):
             return
         steps = self.engine.expert_load.take()
-        name = f"{self.worker_id}-g{self.generation}-{self._trace_parts:04d}.json"
-        path = Path(directory) / name
-        save_trace(steps, path)
+        prefix = Path(directory) / f"{self.worker_id}-g{self.generation}"
+        try:
+            while (path := Path(f"{prefix}-{self._trace_parts:04d}.json")).exists():
+                self._trace_parts += 1
+            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            save_trace(steps, partial)
+            os.replace(partial, path)
+        except OSError:
+            logger.exception("worker %s: %d steps of expert load lost", self.worker_id, len(steps))
+            return
         self._trace_parts += 1
         logger.info("worker %s: %d steps of expert load to %s", self.worker_id, len(steps), path)
 
