@@ -81,12 +81,11 @@ def repartition(
     one, two for two) and even the middle ranks, which frees partners for the peak. Shares
     stay as they are (``level_shares`` moves them). With more than ``max_copies`` slots in
     two ranks (2 ** slots splits to try) the placement is returned as it is."""
-    slots, shares = placement.slots, placement.shares
+    slots = placement.slots
     width = slots.shape[1]
     if 2 * width > max_copies:
         return placement
-    amounts = torch.where(slots >= 0, load.double()[slots.clamp(min=0)] * shares, 0.0)
-    experts = slots.clone()
+    experts, amounts = slots.clone(), _amounts(placement, load)
     sides = _splits(width)
     tolerance = 1e-9 * max(float(amounts.sum()), 1e-30)
     for _ in range(rounds):
@@ -95,10 +94,7 @@ def repartition(
             moves += _best_move(experts, amounts, high, sides, width, tolerance)
         if not moves:
             break
-    w = load.double()[experts.clamp(min=0)]
-    new_shares = torch.where(experts >= 0, amounts / torch.where(w > 0, w, 1.0), 0.0)
-    idle = (experts >= 0) & (w <= 0)
-    return Placement(experts, torch.where(idle, 1.0, new_shares))
+    return _placement(experts, amounts, load)
 
 
 def _best_move(
@@ -162,9 +158,7 @@ def spend_slots(
     - else the smallest copy of a replicated expert dropped, its load water-filled over the
       expert's other ranks, when that keeps them below the peak (it frees a slot for the
       first move)."""
-    experts = placement.slots.clone()
-    w = load.double()
-    amounts = torch.where(experts >= 0, w[experts.clamp(min=0)] * placement.shares, 0.0)
+    experts, amounts = placement.slots.clone(), _amounts(placement, load)
     for _ in range(moves):
         loads = amounts.sum(dim=1)
         peak = float(loads.max())
@@ -174,9 +168,20 @@ def spend_slots(
                 break
         elif not _drop_copy(experts, amounts, peak - tolerance):
             break
-    shares = torch.where(experts >= 0, amounts / w[experts.clamp(min=0)].clamp(min=1e-30), 0.0)
-    idle = (experts >= 0) & (w[experts.clamp(min=0)] <= 0)
-    return Placement(experts, torch.where(idle, 1.0, shares))
+    return _placement(experts, amounts, load)
+
+
+def _amounts(placement: Placement, load: torch.Tensor) -> torch.Tensor:
+    """[ranks, slots] the load each copy serves (0 in empty slots)."""
+    held = placement.slots >= 0
+    return torch.where(held, load.double()[placement.slots.clamp(min=0)] * placement.shares, 0.0)
+
+
+def _placement(experts: torch.Tensor, amounts: torch.Tensor, load: torch.Tensor) -> Placement:
+    """The placement whose copies serve ``amounts`` (a copy of an idle expert: share 1)."""
+    w = load.double()[experts.clamp(min=0)]
+    shares = torch.where(experts >= 0, amounts / torch.where(w > 0, w, 1.0), 0.0)
+    return Placement(experts, torch.where((experts >= 0) & (w <= 0), 1.0, shares))
 
 
 def _refill(
