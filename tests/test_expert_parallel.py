@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EPLBConfig
 from splitserve.eplb.rebalance import rebalance
-from tests.support.ep_worker import generate_in_group
+from tests.support.ep_worker import generate_in_group, move_in_group
 from tests.support.server_process import free_port
 from tests.support.tiny_models import tiny_model
 
@@ -74,3 +74,23 @@ def test_ep2_tokens_equal_ep1(smollm2_tokenizer: Any, tmp_path: Path) -> None:
         held = torch.tensor(layer).flatten()
         assert len(layer[0]) == 5 and sorted(set(held.tolist())) == list(range(8))
         assert int(torch.bincount(held).max()) >= 2
+
+
+def test_a_move_where_one_rank_sends_nothing() -> None:
+    """Rank 1 takes experts 2 and 3 from rank 2 and nobody takes its copies of 0 and 1 (rank 2
+    takes theirs from rank 0, the first holder): rank 1 sends no row (a served group once
+    failed there). Every rank ends with its new experts' weights."""
+    old = [[0, 1], [0, 1], [2, 3]]
+    new = [[0, 1], [2, 3], [0, 1]]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    args = (3, free_port(), old, new, results)
+    workers = [context.Process(target=move_in_group, args=(rank, *args)) for rank in range(3)]
+    for worker in workers:
+        worker.start()
+    got = dict(results.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=30)
+        assert worker.exitcode == 0
+    for rank in range(3):
+        assert got[rank] == [[float(e) for e in new[rank]]] * 2

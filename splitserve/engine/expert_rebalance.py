@@ -139,8 +139,11 @@ def move_experts(layer: SparseMoE, new: ExpertParallel) -> None:
     order = sorted((int(s), slot) for slot, s in enumerate(mine.tolist()) if s >= 0)
     for name in ("w13", "w2"):
         weight: nn.Parameter = getattr(layer, name)
-        rows = weight.detach()[send_slots].reshape(len(send_slots), -1)
-        got = rows.new_empty((sum(recv), weight[0].numel()))
+        # A rank may send nothing (every slot it held is taken from elsewhere or dropped):
+        # the row width is explicit, as reshape(0, -1) is ambiguous.
+        width = weight[0].numel()
+        rows = weight.detach()[send_slots].reshape(len(send_slots), width)
+        got = rows.new_empty((sum(recv), width))
         new.all_to_all(got, rows.contiguous(), recv, send)
         moved = weight.new_zeros((new.width, *weight.shape[1:]))
         for index, (_, slot) in enumerate(order):

@@ -57,3 +57,46 @@ def generate_in_group(
         results.put((rank, tokens, moved))
     finally:
         dist.destroy_process_group()
+
+
+def move_in_group(
+    rank: int,
+    size: int,
+    port: int,
+    old: list[list[int]],
+    new: list[list[int]],
+    results: Any,
+) -> None:
+    """Rank ``rank`` holds a MoE layer whose slot weights are filled with their expert's id
+    under placement ``old`` and moves them to ``new`` (``move_experts``); puts (rank, the
+    expert id each new w13 slot and w2 slot holds) on ``results``."""
+    import torch
+
+    from splitserve.engine.expert_parallel import ExpertParallel
+    from splitserve.engine.expert_rebalance import move_experts
+    from splitserve.engine.layers.moe import SparseMoE
+    from splitserve.engine.model_config import MoEConfig
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+
+        def placement(slots: list[list[int]]) -> ExpertParallel:
+            table = torch.tensor(slots)
+            return ExpertParallel(rank, size, table, torch.ones(table.shape, dtype=torch.float64))
+
+        moe = MoEConfig(num_experts=4, top_k=1, intermediate_size=3, renormalize=False)
+        layer = SparseMoE(4, moe, placement(old))
+        with torch.no_grad():
+            for slot, expert in enumerate(old[rank]):
+                layer.w13[slot] = expert
+                layer.w2[slot] = expert
+        move_experts(layer, placement(new))
+        held = [
+            [float(w.min()) if float(w.min()) == float(w.max()) else -1.0 for w in weight]
+            for weight in (layer.w13, layer.w2)
+        ]
+        results.put((rank, held))
+    finally:
+        dist.destroy_process_group()
