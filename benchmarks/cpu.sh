@@ -20,6 +20,9 @@ mkdir -p "$OUT"
     --result-file "$OUT/cpu-offline-smollm2.json"
 "$BIN/splitserve" bench offline --batch-sizes 1,32 --input-len 128 --output-len 128 \
     --dtype float32 --no-native --no-baseline --result-file "$OUT/cpu-offline-smollm2-float32.json"
+# The opt-in bfloat16 weights (oneDNN; not the oracle's arithmetic, docs/performance.md).
+"$BIN/splitserve" bench offline --batch-sizes 1,32 --input-len 128 --output-len 128 \
+    --cpu-weights bfloat16 --no-baseline --result-file "$OUT/cpu-offline-smollm2-bf16.json"
 
 if [ "${LLAMACPP:-1}" != 0 ]; then
     LLAMA_VENV=.bench/llamacpp

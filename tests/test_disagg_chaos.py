@@ -1,4 +1,4 @@
-"""Chaos: 2 prefill + 2 decode workers serve 200 streamed greedy requests (8 tokens each, 16
+"""Chaos: 2 prefill + 2 decode workers serve 120 streamed greedy requests (8 tokens each, 16
 clients) while decode-0 (with requests running) and then prefill-0 (half the requests done)
 are killed with SIGKILL. Every request completes with the offline engine's greedy text, the
 requests on decode-0 migrated, and both workers are back in their pools (restarted by Ray).
@@ -14,7 +14,7 @@ from tests.support.chaos import SERVER_SETTINGS, Chaos, prompts, reference, summ
 from tests.support.server_process import serve, worker_metric
 
 pytestmark = pytest.mark.slow
-REQUESTS = 200
+REQUESTS = 120  # `make chaos`: 200
 MAX_TOKENS = 8
 CONCURRENCY = 16
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,16 @@ CHATS = [
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_for_20_prompts_in_one_batch(
-    smollm2_llm: LLM, hf_smollm2: Any
+    smollm2_llm: LLM, hf_smollm2: Any, make_llm: Callable[..., LLM]
 ) -> None:
+    """The default mode passes the oracle. The opt-in bfloat16 weights (``cpu_weights``)
+    change the arithmetic: their agreement with the same reference is measured, and must not
+    fall below what docs/performance.md reports."""
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(p) for p in RAW_PROMPTS]
     prompts += [smollm2_llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
-    outputs = smollm2_llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
+    params = SamplingParams(max_tokens=64, temperature=0)
+    outputs = smollm2_llm.generate(prompts, params)
     reference = hf_greedy(hf_smollm2, prompts, 64, pad_id=0)
     equal = [
         assert_greedy_equal(hf_smollm2, prompt, output.outputs[0].token_ids, ref)
@@ -54,6 +59,24 @@ def test_smollm2_greedy_matches_transformers_for_20_prompts_in_one_batch(
     ]
     assert sum(equal) >= 18, f"only {sum(equal)} of 20 sequences wholly equal"
     assert sum(len(o.outputs[0].token_ids) for o in outputs) > 20 * 16
+    bf16 = make_llm(cpu_weights="bfloat16").generate(prompts, params)
+    same, prefix = agreement([o.outputs[0].token_ids for o in bf16], reference)
+    print(f"bfloat16 weights: {same} of 20 wholly equal, {prefix:.1%} of tokens before a change")
+    assert same >= BF16_EQUAL and prefix >= BF16_PREFIX
+
+
+BF16_EQUAL, BF16_PREFIX = 4, 0.40  # measured 6 and 49.1% (2026-12-04, AMD EPYC)
+"""The floor of the bfloat16 weights' agreement (measured: docs/performance.md)."""
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[int, float]:
+    """(sequences wholly equal, the fraction of reference tokens before the first change)."""
+    same, before = 0, 0
+    for a, b in zip(ours, reference):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += a == b
+        before += first
+    return same, before / sum(len(b) for b in reference)
 
 
 def _tiny_llama(tokenizer: Any, path: Path) -> tuple[Any, str]:

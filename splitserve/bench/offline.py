@@ -18,6 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None, help="random weights of a shape: llama3-8b, ...")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--cpu-weights",
+        default="auto",
+        choices=["auto", "bfloat16"],
+        help="CPU projection weights: the GGUF blocks (auto) or bfloat16 for oneDNN (opt-in)",
+    )
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -130,6 +136,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         model=model,
         device=args.device,
         dtype=args.dtype,
+        cpu_weights=args.cpu_weights,
         attention_backend=args.attention_backend,
         max_model_len=longest + 16,
         max_num_seqs=max(batch_sizes),
@@ -143,6 +150,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result = header(vars(args) | {"model": model})
     result["device_name"] = _device_name(runner.device)
     result["dtype"] = str(runner.dtype).removeprefix("torch.")
+    result["cpu_weights"] = args.cpu_weights
     result["ceilings"] = _ceilings_json(ceilings)
     reference = reference_ceilings(result["device_name"], runner.dtype)
     result["reference_ceilings"] = None if reference is None else _ceilings_json(reference)

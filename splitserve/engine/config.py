@@ -37,6 +37,12 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     device: str = "cpu"
     dtype: str = "auto"
+    cpu_weights: str = "auto"
+    """CPU projection weights: "auto" keeps a GGUF file's quantized blocks where the native
+    kernels read them (float32 otherwise, and always with ``dtype="float32"``); "bfloat16"
+    holds every projection and the LM head in bfloat16 for oneDNN, the activations, attention
+    and KV cache float32 (``engine/layers/bf16_linear.py``): faster at many rows, not the
+    float32 oracle's arithmetic, so opt-in."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
@@ -81,6 +87,15 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.cpu_weights not in ("auto", "bfloat16"):
+            raise ValueError(f"cpu_weights must be 'auto' or 'bfloat16', not {self.cpu_weights!r}")
+        if self.cpu_weights == "bfloat16" and (
+            self.device != "cpu" or self.dtype not in ("auto", "float32")
+        ):
+            raise ValueError(
+                "cpu_weights='bfloat16' is for device='cpu' with float32 activations "
+                f"(dtype 'auto' or 'float32'), not device={self.device!r} dtype={self.dtype!r}"
+            )
         if self.expert_load_dir is not None and not self.record_expert_load:
             raise ValueError("expert_load_dir needs record_expert_load")
         if self.eplb is not None and self.record_expert_load:

@@ -73,7 +73,8 @@ class LLMEngine:
             config, self.model_config, weights, self.max_model_len, expert_group
         )
         dtype = str(self.runner.dtype).removeprefix("torch.")
-        root = hash_root(config.model, dtype, config.block_size)
+        tag = "" if config.cpu_weights == "auto" else f"+{config.cpu_weights}-weights"
+        root = hash_root(config.model, dtype + tag, config.block_size)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root
         )

@@ -14,6 +14,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.expert_parallel import GroupMember
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
+from splitserve.engine.layers.bf16_linear import to_bf16_layers
 from splitserve.engine.layers.block_linear import to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.layers.native_decode import NativeDecode
@@ -110,6 +111,8 @@ class ModelRunner:
             )
             to_block_layers(model, plan)
             model.load_weights(text_weights(iter_weights(weights_path, cfg, keep)))
+        if self.device.type == "cpu" and self.config.cpu_weights == "bfloat16":
+            to_bf16_layers(model)
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
             choose_cpu_paths(model)

@@ -4,8 +4,9 @@ With ``dtype="auto"`` on the CPU, every projection and embedding whose tensors t
 in a block type the native kernels read (Q4_0, Q4_1, Q8_0) stays in those blocks
 (``engine/layers/block_linear.py``); a fused projection (q|k|v, gate|up) does when all its
 parts share one such type, and a projection with a bias (Qwen2's q|k|v) is dequantized.
-Everything else, and everything with ``dtype="float32"`` (the
-oracle tests' mode), is dequantized to float32 as before.
+Everything else, everything with ``dtype="float32"`` (the
+oracle tests' mode), and everything with ``cpu_weights="bfloat16"`` (then converted,
+``engine/layers/bf16_linear.py``) is dequantized to float32 as before.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ class WeightTargets(Protocol):
 
 def keeps_blocks(config: EngineConfig, path: str) -> bool:
     return (
-        config.device == "cpu" and config.dtype == "auto" and is_gguf(path) and native_available()
+        config.device == "cpu"
+        and config.dtype == "auto"
+        and config.cpu_weights == "auto"
+        and is_gguf(path)
+        and native_available()
     )
 
 

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
-from splitserve.engine.layers.block_linear import BlockLinear
 from splitserve.engine.layers.cpu_gemm import onednn_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
@@ -51,12 +50,12 @@ def _one_row(x: torch.Tensor, layer: nn.Module) -> bool:
 
 
 def dense(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """layer(x): the layer itself for quantized blocks (``block_linear.py``), oneDNN with a
-    packed weight for float32 on the CPU where measured faster (``cpu_gemm.py``), else the
-    layer itself (cuBLAS on CUDA, MKL on the CPU)."""
-    if isinstance(layer, BlockLinear):
+    """layer(x): the layer itself for quantized blocks (``block_linear.py``) and bfloat16
+    weights (``bf16_linear.py``), oneDNN with a packed weight for float32 on the CPU where
+    measured faster (``cpu_gemm.py``), else the layer itself (cuBLAS on CUDA, MKL on the
+    CPU)."""
+    if not isinstance(layer, nn.Linear):
         return layer(x)
-    assert isinstance(layer, nn.Linear)
     out = onednn_linear(x, layer)
     return layer(x) if out is None else out
 
