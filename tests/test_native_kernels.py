@@ -129,8 +129,10 @@ def test_silu_and_mul_matches_torch() -> None:
     torch.testing.assert_close(silu_and_mul(x), reference, rtol=1e-6, atol=1e-6)
 
 
-def _decode_case(context_lens: list[int], block_size: int = 16) -> tuple:
-    heads, kv_heads, dim = 6, 2, 32
+def _decode_case(
+    context_lens: list[int], block_size: int = 16, shape: tuple[int, int, int] = (6, 2, 32)
+) -> tuple:
+    heads, kv_heads, dim = shape
     gen = torch.Generator().manual_seed(7)
     num_blocks = 20
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
@@ -157,10 +159,18 @@ def _decode_case(context_lens: list[int], block_size: int = 16) -> tuple:
 
 
 @pytest.mark.parametrize("context_lens", [[1], [37, 5, 16], [130, 64]])
+@pytest.mark.parametrize(
+    "shape",
+    [(6, 2, 32), (9, 3, 64), (8, 1, 128), (4, 2, 48), (10, 2, 40)],
+    ids=["g3-d32", "smollm2-g3-d64", "g8-d128", "g2-d48", "g5-d40-any"],
+)
 def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
-    context_lens: list[int],
+    context_lens: list[int], shape: tuple[int, int, int]
 ) -> None:
-    backend, qkv, positions, rotary, cache, meta = _decode_case(context_lens)
+    """Query heads per KV head and head sizes: the V sum's unrolled shapes (SmolLM2's), its
+    general loop (by two heads and four 16-float slices), and a head size not a multiple of
+    16 (attend_any)."""
+    backend, qkv, positions, rotary, cache, meta = _decode_case(context_lens, shape=shape)
     ref_cache = cache.clone()
     native.set_native_enabled(False)
     try:

@@ -79,6 +79,39 @@ INLINE v16 load16(const float *p) {
     return v;
 }
 
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* e^x for x <= 0 in 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7
+ * polynomial in r, times 2^n; within 2 ulp of expf). The softmax took a scalar expf per cached
+ * token and query head: a quarter of the attention of a batch-32 SmolLM2 step. */
+INLINE v16 exp16(v16 x) {
+    const v16 lo = (v16){0} - 87.3f;
+    vi16 below = x < lo; /* all ones where x < lo */
+    x = (v16)(((vi16)x & ~below) | ((vi16)lo & below));
+    vi16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi16);  /* x <= 0: round */
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    vi16 scale = (n + 127) << 23;
+    v16 two_n;
+    __builtin_memcpy(&two_n, &scale, sizeof two_n);
+    return p * two_n;
+}
+
+/* Asks for the next block's rows of one head (C 64-byte lines each) while this one is read:
+ * the blocks of a sequence lie anywhere in the pool, which the hardware prefetchers do not
+ * follow (a batch-32 step read its cache at a fifth of the memory bandwidth without this). */
+INLINE void prefetch_block(const float *rows, int64_t n, int64_t stride, int C) {
+    for (int64_t i = 0; i < n; i++)
+        for (int c = 0; c < C; c++) __builtin_prefetch(rows + i * stride + 16 * c, 0, 3);
+}
+
 INLINE float hsum16(v16 v) {
     v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -93,12 +126,69 @@ INLINE float dot16(const float *q, const float *k, int C) {
     return hsum16(acc);
 }
 
+/* out[h] = sum_t p[h][t] V[t] for the G query heads of one KV head, D = 16 * C floats: one
+ * walk over the cached V rows, each row's C slices loaded once and added into every head's
+ * accumulators (G * C of them). Called with constant G and C (see vsum_any), the loops unroll
+ * and the accumulators stay in registers; p is the softmax of each head, [G, context]. */
+INLINE void vsum(const float *p, int G, int C, const float *v_cache, int64_t stride,
+                 int64_t block_size, const int64_t *table, int64_t context, int64_t base,
+                 float *out, int64_t D) {
+    v16 acc[8][8];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) acc[h][c] = (v16){0};
+    for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
+        int64_t n = context - t0 < block_size ? context - t0 : block_size;
+        const float *vb = v_cache + table[blk] * block_size * stride + base;
+        if (t0 + block_size < context) {
+            int64_t next = context - t0 - block_size < block_size ? context - t0 - block_size : block_size;
+            prefetch_block(v_cache + table[blk + 1] * block_size * stride + base, next, stride, C);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            v16 row[8];
+            for (int c = 0; c < C; c++) row[c] = load16(vb + i * stride + 16 * c);
+            for (int h = 0; h < G; h++) {
+                float w = p[h * context + t0 + i];
+                for (int c = 0; c < C; c++) acc[h][c] += w * row[c];
+            }
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) __builtin_memcpy(out + h * D + 16 * c, &acc[h][c], 64);
+}
+
+/* vsum with G and C constant for the shapes of the models served (SmolLM2: 3 and 4; Llama-3
+ * and Qwen: 4 to 8 and 8), else the same code with them variable. */
+INLINE void vsum_any(const float *p, int G, int C, const float *v_cache, int64_t stride,
+                      int64_t block_size, const int64_t *table, int64_t context, int64_t base,
+                      float *out) {
+    int64_t D = 16 * C;
+#define VSUM(g, c) vsum(p, g, c, v_cache, stride, block_size, table, context, base, out, D)
+    switch (G * 16 + C) {
+    case 1 * 16 + 4: VSUM(1, 4); return;
+    case 2 * 16 + 4: VSUM(2, 4); return;
+    case 3 * 16 + 4: VSUM(3, 4); return;
+    case 4 * 16 + 4: VSUM(4, 4); return;
+    case 1 * 16 + 8: VSUM(1, 8); return;
+    case 2 * 16 + 8: VSUM(2, 8); return;
+    default: break;
+    }
+#undef VSUM
+    for (int h0 = 0; h0 < G; h0 += 2) {  /* two heads at a time for the rest */
+        int g = G - h0 < 2 ? G - h0 : 2;
+        for (int c0 = 0; c0 < C; c0 += 4) {
+            int c = C - c0 < 4 ? C - c0 : 4;
+            vsum(p + h0 * context, g, c, v_cache, stride, block_size, table, context,
+                 base + 16 * c0, out + h0 * D + 16 * c0, D);
+        }
+    }
+}
+
 /* Attention of one sequence's query heads of KV head g over its cached context (D a multiple
- * of 16). Walks the block table a block at a time and scores each cached K row against every
- * query head of the group while it is loaded; the weighted sum of V keeps its 16-float partial
- * sums in registers (two per slice, even and odd tokens) instead of adding into memory once per
- * token. scores: group * context floats. Out-of-line calls of a generic dot per token and head
- * made this a quarter of a batch-32 SmolLM2 step; now it is a few percent. */
+ * of 16). Walks the block table a block at a time and scores each cached K row
+ * against every query head of the group while it is loaded, then the softmax of each head,
+ * then one walk over the V rows (vsum_any). scores: group * context floats. Out-of-line calls
+ * of a generic dot per token and head made this a quarter of a batch-32 SmolLM2 step; a walk
+ * over V per head and 16-float slice (12 walks for SmolLM2) took half of it again. */
 CLONES static void attend(const float *q, int group, int D, const float *k_cache,
                           const float *v_cache, int64_t Hkv, int g, int64_t block_size,
                           const int64_t *table, int64_t context, float scale, float *scores,
@@ -110,6 +200,10 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
     for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
         int64_t n = context - t0 < block_size ? context - t0 : block_size;
         const float *kb = k_cache + (table[blk] * block_size * Hkv + g) * D;
+        if (t0 + block_size < context) {
+            int64_t next = context - t0 - block_size < block_size ? context - t0 - block_size : block_size;
+            prefetch_block(k_cache + (table[blk + 1] * block_size * Hkv + g) * D, next, stride, C);
+        }
         for (int64_t i = 0; i < n; i++) {
             for (int h = 0; h < group; h++) {
                 float s = dot16(q + h * D, kb + i * stride, C) * scale;
@@ -118,31 +212,25 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
             }
         }
     }
+    prefetch_block(v_cache + (table[0] * block_size * Hkv + g) * D,
+                   context < block_size ? context : block_size, stride, C);
     for (int h = 0; h < group; h++) {
         float *sh = scores + h * context;
-        for (int64_t t = 0; t < context; t++) {
+        v16 sums = {0};
+        int64_t t = 0;
+        for (; t + 16 <= context; t += 16) {
+            v16 e = exp16(load16(sh + t) - best[h]);
+            __builtin_memcpy(sh + t, &e, sizeof e);
+            sums += e;
+        }
+        for (; t < context; t++) {
             sh[t] = expf(sh[t] - best[h]);
             total[h] += sh[t];
         }
-        for (int64_t t = 0; t < context; t++) sh[t] = sh[t] / total[h];
+        total[h] += hsum16(sums);
+        for (t = 0; t < context; t++) sh[t] = sh[t] / total[h];
     }
-    for (int h = 0; h < group; h++) {
-        const float *p = scores + h * context;
-        for (int c = 0; c < C; c++) {
-            v16 even = {0}, odd = {0};
-            for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
-                int64_t n = context - t0 < block_size ? context - t0 : block_size, i = 0;
-                const float *vb = v_cache + (table[blk] * block_size * Hkv + g) * D + 16 * c;
-                for (; i + 1 < n; i += 2) {
-                    even += p[t0 + i] * load16(vb + i * stride);
-                    odd += p[t0 + i + 1] * load16(vb + (i + 1) * stride);
-                }
-                if (i < n) even += p[t0 + i] * load16(vb + i * stride);
-            }
-            v16 sum = even + odd;
-            __builtin_memcpy(out + h * D + 16 * c, &sum, sizeof sum);
-        }
-    }
+    vsum_any(scores, group, C, v_cache, stride, block_size, table, context, (int64_t)g * D, out);
 }
 
 /* The same for any D, one cached token at a time. */
