@@ -37,7 +37,8 @@ if [ "${LLAMACPP:-1}" != 0 ]; then
     "$LLAMA_VENV/bin/python" benchmarks/llamacpp_decode.py --model "$GGUF" --input-len 128 \
         --output-len 128 > "$OUT/cpu-llamacpp-smollm2.json"
     "$BIN/python" benchmarks/cpu_versus_llamacpp.py "$OUT/cpu-offline-smollm2.json" \
-        "$OUT/cpu-llamacpp-smollm2.json" "$OUT/cpu-offline-smollm2-float32.json"
+        "$OUT/cpu-llamacpp-smollm2.json" "$OUT/cpu-offline-smollm2-float32.json" \
+        "$OUT/cpu-offline-smollm2-bf16.json"
 fi
 
 free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
