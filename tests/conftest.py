@@ -51,13 +51,12 @@ def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
 # module with a tight latency bound (test_api_hung_redis) is here too: in the other lane it ran
 # beside a whole deployment and once missed its bound (0.41 s against 0.25 s). Modules that
 # start only light processes (two Gloo peers: test_transfer, test_expert_parallel; a stub HTTP
-# server: test_bench_serve) run in the other lane. So do four modules that start one server
-# each and wait on no restart or heartbeat (test_api_errors, test_api_fuzz, test_shape_serving,
-# test_structured_api): the other lane finished 4-5 minutes before this one (8m40s against
-# 13m14s on 2026-12-04), this lane being the longer by its server starts and chaos tests.
+# server: test_bench_serve) run in the other lane, which finishes a minute or so earlier.
 PROCESS_MODULES = frozenset(
     {
         "test_api_e2e",
+        "test_api_errors",
+        "test_api_fuzz",
         "test_api_hung_redis",
         "test_api_migration",
         "test_deploy_placement",
@@ -70,6 +69,8 @@ PROCESS_MODULES = frozenset(
         "test_kv_cache_e2e",
         "test_observability",
         "test_peer_blocks",
+        "test_shape_serving",
+        "test_structured_api",
         "test_vision_e2e",
         "test_worker_failures",
         "test_worker_headers",
