@@ -9,9 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from splitserve.bench.roofline import held_weight_bytes
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.bf16_linear import Bf16Linear, to_bf16_layers
 from splitserve.engine.layers.linear import dense
+from splitserve.engine.layers.moe import SparseMoE
+from splitserve.engine.model_config import MoEConfig
 
 
 def test_a_bf16_projection_is_the_bf16_product_returned_in_float32() -> None:
@@ -40,6 +43,22 @@ def test_to_bf16_layers_converts_every_float32_projection_and_unties_the_lm_head
     ids = torch.tensor([3, 7])
     logits = model.lm_head(model.embed(ids))
     assert logits.shape == (2, 10) and logits.dtype == torch.float32
+    # The roofline counts the bfloat16 copies (held outside parameters), not the lookup table.
+    model.embed_tokens = model.embed
+    assert held_weight_bytes(model) == (16 * 16 + 10 * 16) * 2
+
+
+def test_a_moe_layer_keeps_its_router_and_experts_and_idles() -> None:
+    """The router stays float32 (its rounding would move the experts' choice); an idle
+    expert-parallel pass still makes its empty float32 input."""
+    model = nn.Module()
+    model.moe = SparseMoE(
+        16, MoEConfig(num_experts=4, top_k=2, intermediate_size=8, renormalize=True)
+    )
+    model.proj = nn.Linear(16, 16)
+    assert to_bf16_layers(model) == 1
+    assert type(model.moe.gate) is nn.Linear and model.moe.w13.dtype == torch.float32
+    model.moe.idle()  # not expert-parallel here: routes zero tokens locally
 
 
 @pytest.mark.parametrize(

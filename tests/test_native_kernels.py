@@ -161,8 +161,8 @@ def _decode_case(
 @pytest.mark.parametrize("context_lens", [[1], [37, 5, 16], [130, 64]])
 @pytest.mark.parametrize(
     "shape",
-    [(6, 2, 32), (9, 3, 64), (8, 1, 128), (4, 2, 48), (10, 2, 40)],
-    ids=["g3-d32", "smollm2-g3-d64", "g8-d128", "g2-d48", "g5-d40-any"],
+    [(6, 2, 32), (9, 3, 64), (8, 1, 128), (4, 2, 48), (10, 2, 40), (2, 2, 320)],
+    ids=["g3-d32", "smollm2-g3-d64", "g8-d128", "g2-d48", "g5-d40-any", "g1-d320"],
 )
 def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
     context_lens: list[int], shape: tuple[int, int, int]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.layers.bf16_linear import Bf16Linear
 from splitserve.engine.model_config import ModelConfig
 
 
@@ -125,14 +126,16 @@ def decode_step_bytes(
 
 def held_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads of the weights as the model holds them: every parameter but
-    an input embedding that no LM head shares (its lookups read a few rows)."""
+    an input embedding that no LM head shares (its lookups read a few rows), plus what modules
+    hold outside their parameters (the bfloat16 weights' packed copies, ``Bf16Linear``)."""
     head = getattr(model, "lm_head", None)
     embed = getattr(model, "embed_tokens", None)
     skip = None
     if embed is not None and head is not None and embed.weight is not head.weight:
         skip = embed.weight
     params = (p for p in model.parameters() if p is not skip)
-    return sum(p.numel() * p.element_size() for p in params)
+    held = sum(m.held_bytes() for m in model.modules() if isinstance(m, Bf16Linear))
+    return sum(p.numel() * p.element_size() for p in params) + held
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.layers.cpu_gemm import onednn_available
+from splitserve.engine.layers.moe import SparseMoE
 
 
 class Bf16Linear(nn.Module):
@@ -48,6 +49,10 @@ class Bf16Linear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def held_bytes(self) -> int:
+        """The bfloat16 weight's bytes (held outside parameters: the roofline counts them)."""
+        return self.in_features * self.out_features * 2
+
     def extra_repr(self) -> str:
         packed = "oneDNN-packed" if self.packed is not None else "plain"
         return f"in={self.in_features}, out={self.out_features}, bfloat16 {packed}"
@@ -65,11 +70,17 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 def to_bf16_layers(model: nn.Module) -> int:
     """Replaces every float32 CPU ``nn.Linear`` of the model (the projections and the LM
     head; a tied LM head gets its own bfloat16 copy, the embedding stays float32) by a
-    ``Bf16Linear``; returns how many were replaced."""
+    ``Bf16Linear``; returns how many were replaced. A mixture-of-experts layer keeps its
+    router in float32 (the experts' choice would move with its rounding) and its experts
+    as they are."""
+    inside_moe = {
+        id(sub) for moe in model.modules() if isinstance(moe, SparseMoE) for sub in moe.modules()
+    }
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if type(module) is nn.Linear
+        and id(module) not in inside_moe
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
     ]

@@ -177,4 +177,4 @@ class SparseMoE(nn.Module):
 
     def idle(self) -> None:
         """An expert-parallel rank with no tokens: its experts still serve the others'."""
-        self.experts(self.gate.weight.new_empty((0, self.hidden_size)))
+        self.experts(self.w13.new_empty((0, self.hidden_size)))

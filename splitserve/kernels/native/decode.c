@@ -163,7 +163,7 @@ INLINE void vsum_any(const float *p, int G, int C, const float *v_cache, int64_t
                       float *out) {
     int64_t D = 16 * C;
 #define VSUM(g, c) vsum(p, g, c, v_cache, stride, block_size, table, context, base, out, D)
-    switch (G * 16 + C) {
+    switch (C <= 8 ? G * 16 + C : 0) {  /* one key per (G, C) while C < 16 */
     case 1 * 16 + 4: VSUM(1, 4); return;
     case 2 * 16 + 4: VSUM(2, 4); return;
     case 3 * 16 + 4: VSUM(3, 4); return;
