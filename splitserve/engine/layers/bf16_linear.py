@@ -85,7 +85,5 @@ def to_bf16_layers(model: nn.Module) -> int:
         and module.weight.dtype == torch.float32
     ]
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Bf16Linear(module))
+        model.set_submodule(name, Bf16Linear(module))
     return len(targets)

@@ -84,13 +84,13 @@ def to_block_layers(model: nn.Module, qtypes: dict[str, int]) -> int:
             new = BlockEmbedding(module.num_embeddings, module.embedding_dim, qtype)
         else:
             raise TypeError(f"{module_name} is a {type(module).__name__}, not a projection")
-        _set_submodule(model, module_name, new)
+        model.set_submodule(module_name, new)
         replaced += 1
         for other in tied.get(module_name, ()):
             blocks = new.weight
             linear = BlockLinear(in_features(qtype, blocks), blocks.shape[0], qtype)
             linear.weight = blocks
-            _set_submodule(model, other, linear)
+            model.set_submodule(other, linear)
     return replaced
 
 
@@ -102,9 +102,3 @@ def _tied_pairs(model: nn.Module) -> dict[str, list[str]]:
         if isinstance(weight, torch.Tensor) and isinstance(module, nn.Linear | nn.Embedding):
             owners.setdefault(id(weight), []).append(name)
     return {names[0]: names[1:] for names in owners.values() if len(names) > 1}
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)

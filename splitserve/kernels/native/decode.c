@@ -104,10 +104,16 @@ INLINE v16 exp16(v16 x) {
     return p * two_n;
 }
 
-/* Asks for the next block's rows of one head (C 64-byte lines each) while this one is read:
- * the blocks of a sequence lie anywhere in the pool, which the hardware prefetchers do not
- * follow (a batch-32 step read its cache at a fifth of the memory bandwidth without this). */
-INLINE void prefetch_block(const float *rows, int64_t n, int64_t stride, int C) {
+/* Asks for one head's rows (C 64-byte lines each, from float base of a row) of block blk of
+ * a sequence's table, which starts at token t0, if any of its tokens are in the context: the
+ * walks ask for the next block while they read one, as a sequence's blocks lie anywhere in the
+ * pool and the hardware prefetchers do not follow them. */
+INLINE void prefetch_block(const float *cache, const int64_t *table, int64_t blk, int64_t t0,
+                           int64_t context, int64_t block_size, int64_t stride, int64_t base,
+                           int C) {
+    if (t0 >= context) return;
+    int64_t n = context - t0 < block_size ? context - t0 : block_size;
+    const float *rows = cache + table[blk] * block_size * stride + base;
     for (int64_t i = 0; i < n; i++)
         for (int c = 0; c < C; c++) __builtin_prefetch(rows + i * stride + 16 * c, 0, 3);
 }
@@ -139,10 +145,8 @@ INLINE void vsum(const float *p, int G, int C, const float *v_cache, int64_t str
     for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
         int64_t n = context - t0 < block_size ? context - t0 : block_size;
         const float *vb = v_cache + table[blk] * block_size * stride + base;
-        if (t0 + block_size < context) {
-            int64_t next = context - t0 - block_size < block_size ? context - t0 - block_size : block_size;
-            prefetch_block(v_cache + table[blk + 1] * block_size * stride + base, next, stride, C);
-        }
+        prefetch_block(v_cache, table, blk + 1, t0 + block_size, context, block_size, stride,
+                       base, C);
         for (int64_t i = 0; i < n; i++) {
             v16 row[8];
             for (int c = 0; c < C; c++) row[c] = load16(vb + i * stride + 16 * c);
@@ -200,10 +204,8 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
     for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
         int64_t n = context - t0 < block_size ? context - t0 : block_size;
         const float *kb = k_cache + (table[blk] * block_size * Hkv + g) * D;
-        if (t0 + block_size < context) {
-            int64_t next = context - t0 - block_size < block_size ? context - t0 - block_size : block_size;
-            prefetch_block(k_cache + (table[blk + 1] * block_size * Hkv + g) * D, next, stride, C);
-        }
+        prefetch_block(k_cache, table, blk + 1, t0 + block_size, context, block_size, stride,
+                       (int64_t)g * D, C);
         for (int64_t i = 0; i < n; i++) {
             for (int h = 0; h < group; h++) {
                 float s = dot16(q + h * D, kb + i * stride, C) * scale;
@@ -212,8 +214,7 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
             }
         }
     }
-    prefetch_block(v_cache + (table[0] * block_size * Hkv + g) * D,
-                   context < block_size ? context : block_size, stride, C);
+    prefetch_block(v_cache, table, 0, 0, context, block_size, stride, (int64_t)g * D, C);
     for (int h = 0; h < group; h++) {
         float *sh = scores + h * context;
         v16 sums = {0};
