@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from splitserve.engine.gguf_file import GGUFFile, read_gguf
 from splitserve.engine.model_config import SHAPES, ModelConfig
-from splitserve.engine.tokenizer_cache import gguf_tokenizer
+from splitserve.engine.tokenizer_cache import cached_folder, gguf_tokenizer
+from splitserve.engine.tokenizer_json import json_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
 
 SHAPE_PREFIX = "shape:"
@@ -130,9 +131,16 @@ def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, light: bool = False) -> Any:
+    """The model's tokenizer. light: without transformers where that reads the same files
+    (engine/tokenizer_json.py; what a worker takes), else transformers' own."""
     if is_random_shape(path):
         return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
+    if light:
+        folder = cached_folder(path) if is_gguf(path) else Path(path)
+        found = json_tokenizer(folder, lambda: load_tokenizer(path))
+        if found is not None:
+            return found
     if is_gguf(path):
         return gguf_tokenizer(path)
     from transformers import AutoTokenizer  # 7-10 s to import: only where it is needed

@@ -20,6 +20,7 @@ import xgrammar as xgr
 
 from splitserve.engine.loader import NumericTokenizer
 from splitserve.engine.sampling_params import StructuredOutputsParams
+from splitserve.engine.tokenizer_json import full_tokenizer
 
 MAX_SOURCE_BYTES = 64 << 10
 """The largest schema, regex, grammar or list of choices accepted (as text)."""
@@ -164,8 +165,9 @@ class GrammarCompiler:
     grammars are kept by their canonical text. Thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        """tokenizer: a Hugging Face tokenizer, or a random shape's NumericTokenizer (whose
-        token i is the text " i")."""
+        """tokenizer: a Hugging Face tokenizer, a worker's JsonTokenizer (its Hugging Face one
+        is loaded) or a random shape's NumericTokenizer (whose token i is the text " i")."""
+        tokenizer = full_tokenizer(tokenizer)
         if isinstance(tokenizer, NumericTokenizer):
             words = [f" {i}" for i in range(vocab_size)]
             info = xgr.TokenizerInfo(words, vocab_size=vocab_size, stop_token_ids=stop_token_ids)

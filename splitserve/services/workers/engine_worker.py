@@ -49,8 +49,10 @@ class EngineWorker(Worker):
 
     def _load(self) -> None:
         from splitserve.engine.llm_engine import LLMEngine
+        from splitserve.engine.loader import load_tokenizer, resolve_model
 
         spec = self.spec
+        tokenizer = load_tokenizer(resolve_model(spec.engine.model), light=True)
         member = join_group(spec, self.generation) if spec.expert_group is not None else None
         if spec.prefix_index is not None and spec.kv_store is not None:
             self.cache = WorkerCache(
@@ -61,12 +63,13 @@ class EngineWorker(Worker):
             )
             self.engine = LLMEngine(
                 spec.engine,
+                tokenizer,
                 block_store=self.cache.blocks,
                 cache_events=self.cache.events,
                 expert_group=member,
             )
         else:
-            self.engine = LLMEngine(spec.engine, expert_group=member)
+            self.engine = LLMEngine(spec.engine, tokenizer, expert_group=member)
         if spec.expert_group is not None:
             self.lockstep = Lockstep(self.engine, spec.expert_group.name, self._stop)
         self.grammars = GrammarWaits(self.engine.compile_grammar)
