@@ -25,9 +25,12 @@ NODE_MEMORY = 80 << 20
 TINY_ENGINE = "{kv_cache_bytes: 8388608, max_model_len: 128, max_num_seqs: 4}"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Cluster, dict[str, str]]]:
-    """A head without pool labels, one prefill node and one decode node; kind -> node id."""
+    """A head without pool labels, one prefill node and one decode node; kind -> node id.
+    One cluster for the module (its start is most of a test's time): each test removes the
+    workers it started, and the expert-parallel test, which adds a second decode node, runs
+    after the test that expects one."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "object_store_memory": NODE_MEMORY},
