@@ -182,6 +182,37 @@ def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
     torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
 
 
+def test_a_sequences_attention_is_the_same_bits_alone_and_in_a_batch() -> None:
+    """In a batch of at least two sequences per thread a task is a sequence with all its KV
+    heads (its blocks read whole), alone it is one KV head: the sums run in the same order
+    either way, so each row's output is bit for bit the same (batch invariance)."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    lens = [37, 5, 16, 130, 64, 1, 17, 200]
+    per_seq = -(-max(lens) // block_size)
+    k_cache = torch.randn(len(lens) * per_seq, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(len(lens) * per_seq, generator=gen).view(len(lens), per_seq)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor(lens) - 1
+    slots = tables[torch.arange(len(lens)), positions // block_size] * block_size
+    slots += positions % block_size
+    angles = torch.arange(256)[:, None] * torch.rand(dim, generator=gen)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+
+    def attend(rows: slice) -> torch.Tensor:
+        out = torch.empty(len(lens[rows]), heads, dim)
+        native.decode_attention(
+            qkv[rows], positions[rows], cos, sin, k_cache, v_cache, slots[rows],
+            tables[rows], positions[rows] + 1, heads, dim**-0.5, out,
+        )  # fmt: skip
+        return out
+
+    batch = attend(slice(None))
+    for i in range(len(lens)):
+        assert torch.equal(attend(slice(i, i + 1))[0], batch[i]), f"sequence {i}"
+
+
 def test_build_caches_the_library_by_source(tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = build.build(tmp_path)
     assert first.exists() and first.parent.parent == tmp_path

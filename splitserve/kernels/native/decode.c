@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -118,6 +119,15 @@ INLINE void prefetch_block(const float *cache, const int64_t *table, int64_t blk
         for (int c = 0; c < C; c++) __builtin_prefetch(rows + i * stride + 16 * c, 0, 3);
 }
 
+/* The first row (from float base) of block blk of a sequence's table, which starts at token
+ * t0, if a whole block of it is in the context, else NULL (a partial last block is not
+ * prefetched row by row). */
+INLINE const float *next_rows(const float *cache, const int64_t *table, int64_t blk, int64_t t0,
+                              int64_t context, int64_t block_size, int64_t stride, int64_t base) {
+    if (t0 + block_size > context) return NULL;
+    return cache + table[blk] * block_size * stride + base;
+}
+
 INLINE float hsum16(v16 v) {
     v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -132,28 +142,23 @@ INLINE float dot16(const float *q, const float *k, int C) {
     return hsum16(acc);
 }
 
-/* out[h] = sum_t p[h][t] V[t] for the G query heads of one KV head, D = 16 * C floats: one
- * walk over the cached V rows, each row's C slices loaded once and added into every head's
- * accumulators (G * C of them). Called with constant G and C (see vsum_any), the loops unroll
- * and the accumulators stay in registers; p is the softmax of each head, [G, context]. */
-INLINE void vsum(const float *p, int G, int C, const float *v_cache, int64_t stride,
-                 int64_t block_size, const int64_t *table, int64_t context, int64_t base,
-                 float *out, int64_t D) {
+/* out[h] (+)= sum_i p[h * pstride + i] rows[i] for the G query heads of one KV head over n
+ * cached V rows (stride floats apart), D = 16 * C floats: each row's C slices loaded once and
+ * added into every head's accumulators (G * C of them). first: start from zero, else from
+ * out, which holds the sums of the rows before (stored and loaded exactly, so a walk in
+ * pieces sums in the same order as one walk). Called with constant G and C (see vsum_any),
+ * the loops unroll and the accumulators stay in registers. */
+INLINE void vsum(const float *p, int64_t pstride, int G, int C, const float *rows,
+                 int64_t stride, int64_t n, float *out, int64_t D, int first) {
     v16 acc[8][8];
     for (int h = 0; h < G; h++)
-        for (int c = 0; c < C; c++) acc[h][c] = (v16){0};
-    for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
-        int64_t n = context - t0 < block_size ? context - t0 : block_size;
-        const float *vb = v_cache + table[blk] * block_size * stride + base;
-        prefetch_block(v_cache, table, blk + 1, t0 + block_size, context, block_size, stride,
-                       base, C);
-        for (int64_t i = 0; i < n; i++) {
-            v16 row[8];
-            for (int c = 0; c < C; c++) row[c] = load16(vb + i * stride + 16 * c);
-            for (int h = 0; h < G; h++) {
-                float w = p[h * context + t0 + i];
-                for (int c = 0; c < C; c++) acc[h][c] += w * row[c];
-            }
+        for (int c = 0; c < C; c++) acc[h][c] = first ? (v16){0} : load16(out + h * D + 16 * c);
+    for (int64_t i = 0; i < n; i++) {
+        v16 row[8];
+        for (int c = 0; c < C; c++) row[c] = load16(rows + i * stride + 16 * c);
+        for (int h = 0; h < G; h++) {
+            float w = p[h * pstride + i];
+            for (int c = 0; c < C; c++) acc[h][c] += w * row[c];
         }
     }
     for (int h = 0; h < G; h++)
@@ -162,11 +167,10 @@ INLINE void vsum(const float *p, int G, int C, const float *v_cache, int64_t str
 
 /* vsum with G and C constant for the shapes of the models served (SmolLM2: 3 and 4; Llama-3
  * and Qwen: 4 to 8 and 8), else the same code with them variable. */
-INLINE void vsum_any(const float *p, int G, int C, const float *v_cache, int64_t stride,
-                      int64_t block_size, const int64_t *table, int64_t context, int64_t base,
-                      float *out) {
+INLINE void vsum_any(const float *p, int64_t pstride, int G, int C, const float *rows,
+                     int64_t stride, int64_t n, float *out, int first) {
     int64_t D = 16 * C;
-#define VSUM(g, c) vsum(p, g, c, v_cache, stride, block_size, table, context, base, out, D)
+#define VSUM(g, c) vsum(p, pstride, g, c, rows, stride, n, out, D, first)
     switch (C <= 8 ? G * 16 + C : 0) {  /* one key per (G, C) while C < 16 */
     case 1 * 16 + 4: VSUM(1, 4); return;
     case 2 * 16 + 4: VSUM(2, 4); return;
@@ -181,41 +185,49 @@ INLINE void vsum_any(const float *p, int G, int C, const float *v_cache, int64_t
         int g = G - h0 < 2 ? G - h0 : 2;
         for (int c0 = 0; c0 < C; c0 += 4) {
             int c = C - c0 < 4 ? C - c0 : 4;
-            vsum(p + h0 * context, g, c, v_cache, stride, block_size, table, context,
-                 base + 16 * c0, out + h0 * D + 16 * c0, D);
+            vsum(p + h0 * pstride, pstride, g, c, rows + 16 * c0, stride, n,
+                 out + h0 * D + 16 * c0, D, first);
         }
     }
 }
 
-/* Attention of one sequence's query heads of KV head g over its cached context (D a multiple
- * of 16). Walks the block table a block at a time and scores each cached K row
- * against every query head of the group while it is loaded, then the softmax of each head,
- * then one walk over the V rows (vsum_any). scores: group * context floats. Out-of-line calls
- * of a generic dot per token and head made this a quarter of a batch-32 SmolLM2 step; a walk
- * over V per head and 16-float slice (12 walks for SmolLM2) took half of it again. */
+/* Attention of one sequence's query heads over its cached context for KV heads g0 to g1 - 1
+ * (D a multiple of 16; q and out [(g1 - g0) * group, D], scores (g1 - g0) * group * context
+ * floats). Walks the block table a block at a time: each cached K row is scored against
+ * every query head of those KV heads while it is loaded, then the softmax of each head, then
+ * a second walk adds each block's V rows into every head's sums. All KV heads of a sequence
+ * in one walk read its blocks whole (Hkv * D floats a row), which the hardware prefetchers
+ * follow; one KV head at a time read a third of each row for SmolLM2 and ran at a quarter of
+ * the read bandwidth. Every head's sums run in the same order either way, so the results do
+ * not depend on the split. Out-of-line calls of a generic dot per token and head made this a
+ * quarter of a batch-32 SmolLM2 step; a walk over V per head and 16-float slice (12 walks for
+ * SmolLM2) took half of it again. */
 CLONES static void attend(const float *q, int group, int D, const float *k_cache,
-                          const float *v_cache, int64_t Hkv, int g, int64_t block_size,
-                          const int64_t *table, int64_t context, float scale, float *scores,
-                          float *out) {
-    const int C = D / 16;
-    const int64_t stride = Hkv * D;
-    float best[group], total[group];
-    for (int h = 0; h < group; h++) best[h] = -INFINITY, total[h] = 0.0f;
+                          const float *v_cache, int64_t Hkv, int g0, int g1,
+                          int64_t block_size, const int64_t *table, int64_t context,
+                          float scale, float *scores, float *out) {
+    const int C = D / 16, heads = (g1 - g0) * group;
+    const int64_t stride = Hkv * D, base = (int64_t)g0 * D;
+    const int lines = (g1 - g0) * C;  /* 64-byte lines of a row that are read */
+    float best[heads], total[heads];
+    for (int h = 0; h < heads; h++) best[h] = -INFINITY, total[h] = 0.0f;
     for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
         int64_t n = context - t0 < block_size ? context - t0 : block_size;
-        const float *kb = k_cache + (table[blk] * block_size * Hkv + g) * D;
-        prefetch_block(k_cache, table, blk + 1, t0 + block_size, context, block_size, stride,
-                       (int64_t)g * D, C);
+        const float *kb = k_cache + table[blk] * block_size * stride + base;
+        const float *next = next_rows(k_cache, table, blk + 1, t0 + block_size, context,
+                                      block_size, stride, base);
         for (int64_t i = 0; i < n; i++) {
-            for (int h = 0; h < group; h++) {
-                float s = dot16(q + h * D, kb + i * stride, C) * scale;
+            if (next)
+                for (int c = 0; c < lines; c++) __builtin_prefetch(next + i * stride + 16 * c, 0, 3);
+            for (int h = 0; h < heads; h++) {
+                float s = dot16(q + h * D, kb + i * stride + (h / group) * D, C) * scale;
                 scores[h * context + t0 + i] = s;
                 if (s > best[h]) best[h] = s;
             }
         }
     }
-    prefetch_block(v_cache, table, 0, 0, context, block_size, stride, (int64_t)g * D, C);
-    for (int h = 0; h < group; h++) {
+    prefetch_block(v_cache, table, 0, 0, context, block_size, stride, base, lines);
+    for (int h = 0; h < heads; h++) {
         float *sh = scores + h * context;
         v16 sums = {0};
         int64_t t = 0;
@@ -231,7 +243,19 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
         total[h] += hsum16(sums);
         for (t = 0; t < context; t++) sh[t] = sh[t] / total[h];
     }
-    vsum_any(scores, group, C, v_cache, stride, block_size, table, context, (int64_t)g * D, out);
+    for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
+        int64_t n = context - t0 < block_size ? context - t0 : block_size;
+        const float *vb = v_cache + table[blk] * block_size * stride + base;
+        const float *next = next_rows(v_cache, table, blk + 1, t0 + block_size, context,
+                                      block_size, stride, base);
+        for (int g = 0; g < g1 - g0; g++) {
+            /* the next block's rows asked for a share before each KV head's sums */
+            for (int64_t i = g * block_size / (g1 - g0); next && i < (g + 1) * block_size / (g1 - g0); i++)
+                for (int c = 0; c < lines; c++) __builtin_prefetch(next + i * stride + 16 * c, 0, 3);
+            vsum_any(scores + (int64_t)g * group * context + t0, context, group, C,
+                     vb + (int64_t)g * D, stride, n, out + (int64_t)g * group * D, blk == 0);
+        }
+    }
 }
 
 /* The same for any D, one cached token at a time. */
@@ -287,25 +311,34 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
     }
     int64_t longest = 1;
     for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    /* A task: all KV heads of a sequence (its blocks read whole), or one KV head of it where
+     * there are fewer sequences than two per thread (batch 1 on two threads: three tasks). */
+    int whole = D % 16 == 0 && B >= 2 * omp_get_max_threads();
+    int64_t per = whole ? Hkv : 1, tasks = B * (Hkv / per);
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)longest);
-        float *q = malloc(sizeof(float) * (size_t)group * D);
+        float *scores = malloc(sizeof(float) * (size_t)(per * group) * (size_t)longest);
+        float *q = malloc(sizeof(float) * (size_t)(per * group) * D);
         if (!scores || !q) failed = 1;
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t b = 0; b < B; b++) {
-            for (int g = 0; g < Hkv; g++) {
-                if (failed) continue;
-                const float *row = qkv + b * width;
-                const float *c = cos + positions[b] * D, *s = sin + positions[b] * D;
-                for (int h = 0; h < group; h++) {
-                    for (int i = 0; i < D; i++) q[h * D + i] = row[(g * group + h) * D + i];
-                    rotate(q + h * D, c, s, D);
-                }
-                (D % 16 ? attend_any : attend)(q, group, D, k_cache, v_cache, Hkv, g, block_size,
-                       block_tables + b * max_blocks, context_lens[b], scale, scores,
-                       out + b * (int64_t)H * D + (int64_t)g * group * D);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (failed) continue;
+            int64_t b = task / (Hkv / per);
+            int g0 = (int)(task % (Hkv / per) * per), g1 = g0 + (int)per;
+            const float *row = qkv + b * width;
+            const float *c = cos + positions[b] * D, *s = sin + positions[b] * D;
+            for (int h = 0; h < (g1 - g0) * group; h++) {
+                for (int i = 0; i < D; i++) q[h * D + i] = row[(g0 * group + h) * D + i];
+                rotate(q + h * D, c, s, D);
             }
+            float *o = out + b * (int64_t)H * D + (int64_t)g0 * group * D;
+            const int64_t *table = block_tables + b * max_blocks;
+            if (D % 16)
+                attend_any(q, group, D, k_cache, v_cache, Hkv, g0, block_size, table,
+                           context_lens[b], scale, scores, o);
+            else
+                attend(q, group, D, k_cache, v_cache, Hkv, g0, g1, block_size, table,
+                       context_lens[b], scale, scores, o);
         }
         free(scores);
         free(q);
