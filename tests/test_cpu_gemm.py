@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.layers import cpu_gemm
-from splitserve.engine.layers.cpu_gemm import onednn_available, onednn_linear, set_onednn_enabled
+from splitserve.engine.layers.cpu_gemm import (
+    dense_gemm,
+    onednn_available,
+    onednn_linear,
+    set_onednn_enabled,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear")
 
@@ -23,6 +28,22 @@ def test_onednn_linear_matches_f_linear(rows: int, bias: bool) -> None:
         out = onednn_linear(x, layer)
         assert out is not None and out.shape == (rows, 960)
         torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 128, 300])
+def test_dense_gemm_on_a_plain_weight_matches_f_linear_and_takes_onednn(rows: int) -> None:
+    """The dequantized weight's product: oneDNN on the plain (not reordered) weight, the same
+    float32 result as F.linear; with oneDNN off, F.linear itself."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 576), torch.randn(3072, 576)
+    expected = F.linear(x, weight)
+    assert cpu_gemm._dense_weights_taken()
+    torch.testing.assert_close(dense_gemm(x, weight), expected, rtol=1e-5, atol=1e-4)
+    set_onednn_enabled(False)
+    try:
+        assert torch.equal(dense_gemm(x, weight), expected)
+    finally:
+        set_onednn_enabled(True)
 
 
 def test_weight_is_packed_once_and_again_after_a_write() -> None:

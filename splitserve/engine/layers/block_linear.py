@@ -7,7 +7,7 @@ so that ``load_weights`` copies rows into it like any weight) and multiplies thr
 kernel, which dequantizes each block on the fly with gguf's own float32 operations: the result
 equals the dequantized checkpoint's up to summation order. Where the measured choice says so
 (``engine/layers/projection_choice.py``), rows past a threshold dequantize the whole weight and
-take torch's GEMM instead.
+take a float32 GEMM instead (oneDNN where torch has it, ``cpu_gemm.dense_gemm``).
 
 ``to_block_layers`` swaps a model's ``nn.Linear`` / ``nn.Embedding`` modules for these before
 its weights are loaded.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitserve.engine.layers.cpu_gemm import dense_gemm
 from splitserve.kernels.native.blocks import (
     block_matmul,
     dequantize_rows,
@@ -35,7 +36,7 @@ class BlockLinear(nn.Module):
         blocks = torch.zeros(out_features, row_bytes(qtype, in_features), dtype=torch.uint8)
         self.weight = nn.Parameter(blocks, requires_grad=False)
         self.dequantize_from: int | None = None
-        """Steps of at least this many rows dequantize the weight and take torch's GEMM (as
+        """Steps of at least this many rows dequantize the weight and take a GEMM (as
         measured at load, ``projection_choice.py``); None: every step takes the native kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,7 @@ class BlockLinear(nn.Module):
         if self.dequantize_from is None or flat.shape[0] < self.dequantize_from:
             out = block_matmul(flat, self.weight, self.qtype)
         else:
-            out = torch.nn.functional.linear(flat, self.dequantized())
+            out = dense_gemm(flat, self.dequantized())
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:

@@ -6,7 +6,8 @@ projection shape is timed once when the model loads, at a few row counts, and ev
 that shape takes the faster product at each count:
 
 - a block-quantized weight (``BlockLinear``): the native kernel, or dequantizing the whole
-  weight and taking torch's GEMM (which can win on long prefill chunks);
+  weight and taking a float32 GEMM, oneDNN's where torch has it (which wins on long prefill
+  chunks: SmolLM2's projections from 128 rows on one AMD EPYC thread);
 - a float32 weight (``nn.Linear``): oneDNN on its packed copy, or ``F.linear``. A layer that
   never takes oneDNN drops its packed copy (it doubled the weights' memory).
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.layers.block_linear import BlockLinear
-from splitserve.engine.layers.cpu_gemm import onednn_linear, set_onednn_choice
+from splitserve.engine.layers.cpu_gemm import dense_gemm, onednn_linear, set_onednn_choice
 from splitserve.kernels.native.blocks import NAMES, block_matmul
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def _candidates(module: nn.Module) -> dict[str, Candidate]:
     if isinstance(module, BlockLinear):
         return {
             NATIVE: lambda x: block_matmul(x, module.weight, module.qtype),
-            DEQUANTIZE: lambda x: F.linear(x, module.dequantized()),
+            DEQUANTIZE: lambda x: dense_gemm(x, module.dequantized()),
         }
     assert isinstance(module, nn.Linear)
     cands: dict[str, Candidate] = {}
