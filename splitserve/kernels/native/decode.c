@@ -34,16 +34,6 @@ CLONES void splitserve_add_rms_norm(const float *x, const float *residual, const
     }
 }
 
-/* x [M, 2I] = gate | up -> out [M, I] = silu(gate) * up */
-CLONES void splitserve_silu_and_mul(const float *x, int64_t M, int64_t I, float *out) {
-#pragma omp parallel for schedule(static) if (M > 4)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = x + m * 2 * I, *u = g + I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) out[m * I + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
-
 /* Rotate-half rotary of one head in place: x * cos + cat(-x2, x1) * sin. */
 static void rotate(float *x, const float *cos, const float *sin, int D) {
     int half = D / 2;
@@ -103,6 +93,27 @@ INLINE v16 exp16(v16 x) {
     v16 two_n;
     __builtin_memcpy(&two_n, &scale, sizeof two_n);
     return p * two_n;
+}
+
+/* x [M, 2I] = gate | up -> out [M, I] = silu(gate) * up, 16 lanes at a time: silu(g) = g s
+ * with s = 1 / (1 + e^-g) taken from e = e^-|g| (exp16 wants x <= 0): s = 1 / (1 + e) where
+ * g >= 0, e / (1 + e) below. A scalar expf per element was 4% of a batch-32 SmolLM2 step. */
+CLONES void splitserve_silu_and_mul(const float *x, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = x + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16 gv = load16(g + i);
+            vi16 below = gv < 0.0f;
+            v16 e = exp16((v16)(((vi16)gv & below) | ((vi16)(-gv) & ~below)));
+            v16 num = (v16)(((vi16)e & below) | ((vi16)((v16){0} + 1.0f) & ~below));
+            v16 r = gv * (num / (1.0f + e)) * load16(u + i);
+            __builtin_memcpy(o + i, &r, sizeof r);
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
 }
 
 /* Asks for one head's rows (C 64-byte lines each, from float base of a row) of block blk of
