@@ -23,7 +23,7 @@ def test_killed_decode_and_prefill_workers_lose_no_request_and_come_back(
     smollm2_llm: LLM,
 ) -> None:
     texts = prompts(REQUESTS)
-    expected = reference(smollm2_llm, texts, MAX_TOKENS)
+    expected = reference(smollm2_llm, texts, MAX_TOKENS, CONCURRENCY)
     with serve(*SERVER_SETTINGS) as server:
         chaos = Chaos(server, texts, MAX_TOKENS, CONCURRENCY)
         chaos.run()

@@ -2,7 +2,8 @@
 worker and then a prefill worker are killed with SIGKILL; every request must complete with
 the offline engine's greedy output, and both workers must be back in their pools.
 
-The test (tests/test_disagg_chaos.py) runs 200 requests of 8 tokens; `make chaos` 200 of 32:
+The test (tests/test_disagg_chaos.py) runs 120 requests of 8 tokens, `make chaos` 200 of 32, the
+first 16 of either OPENING_TOKENS long:
 ``python -m tests.support.chaos --requests 200`` prints the measurements as one JSON line.
 """
 
@@ -37,6 +38,11 @@ SERVER_SETTINGS = (
     "transfer.fault_send_delay_s=0.2",
 )
 RUNNING = "splitserve:num_requests_running"
+OPENING_TOKENS = 64
+"""The first request of each client decodes this many tokens, past any end of text: decode-0
+then holds requests long enough for its running count (sent every 0.2 s) to show them, which
+the decode kill waits for. With short requests alone a fast decode finished each one between
+two counts, and once the wait ran out (120 s) with every request done."""
 BACK_TIMEOUT_S = 120.0
 
 
@@ -45,9 +51,14 @@ def prompts(count: int) -> list[str]:
     return [f"{TOPICS[i % len(TOPICS)]} #{i}: tell me one short fact." for i in range(count)]
 
 
-def reference(llm: LLM, texts: list[str], max_tokens: int) -> list[str]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return [out.outputs[0].text for out in llm.generate(texts, params, use_tqdm=False)]
+def reference(llm: LLM, texts: list[str], max_tokens: int, opening: int) -> list[str]:
+    """The offline engine's greedy texts: the first ``opening`` prompts as Chaos sends them
+    (OPENING_TOKENS, past any end of text), the rest with max_tokens."""
+    long = SamplingParams(temperature=0.0, max_tokens=OPENING_TOKENS, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate(texts[:opening], long, use_tqdm=False)
+    outputs += llm.generate(texts[opening:], short, use_tqdm=False)
+    return [out.outputs[0].text for out in outputs]
 
 
 @dataclass
@@ -69,7 +80,8 @@ class Kill:
 
 @dataclass
 class Chaos:
-    """The clients (``concurrency`` threads streaming the prompts in order) and the kills."""
+    """The clients (``concurrency`` threads streaming the prompts in order, the first
+    ``concurrency`` of them OPENING_TOKENS long) and the kills."""
 
     server: ServerProcess
     texts: list[str]
@@ -106,13 +118,15 @@ class Chaos:
             outcome = self.outcomes[index]
             outcome.start = time.monotonic()
             try:
-                self._stream(self.texts[index], outcome)
+                self._stream(self.texts[index], index < self.concurrency, outcome)
             except Exception as exc:  # recorded: the test asserts there are none
                 outcome.error = repr(exc)
             outcome.end = time.monotonic()
 
-    def _stream(self, prompt: str, outcome: Outcome) -> None:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": self.max_tokens}
+    def _stream(self, prompt: str, opening: bool, outcome: Outcome) -> None:
+        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": self.max_tokens}
+        if opening:
+            body |= {"max_tokens": OPENING_TOKENS, "ignore_eos": True}
         body |= {"temperature": 0, "stream": True}
         url = f"{self.server.url}/v1/completions"
         with httpx.stream("POST", url, json=body, timeout=120) as response:
@@ -194,7 +208,8 @@ def main() -> None:
     parser.add_argument("--log", default=None, help="write the server's output here")
     args = parser.parse_args()
     texts = prompts(args.requests)
-    expected = reference(LLM(MODEL, max_model_len=2048), texts, args.max_tokens)
+    llm = LLM(MODEL, max_model_len=2048)
+    expected = reference(llm, texts, args.max_tokens, args.concurrency)
     with serve(*SERVER_SETTINGS) as server:
         chaos = Chaos(server, texts, args.max_tokens, args.concurrency)
         try:
