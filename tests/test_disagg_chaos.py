@@ -1,9 +1,9 @@
-"""Chaos: 2 prefill + 2 decode workers serve 120 streamed greedy requests (8 tokens each, 16
-clients) while decode-0 (with requests running) and then prefill-0 (half the requests done)
-are killed with SIGKILL. Every request completes with the offline engine's greedy text, the
-requests on decode-0 migrated, and both workers are back in their pools (restarted by Ray).
-`make chaos` runs the same with 32 tokens per request (tests/support/chaos.py) and prints
-the recovery times."""
+"""Chaos: 2 prefill + 2 decode workers serve 120 streamed greedy requests (8 tokens each, the
+first of each of the 16 clients 64) while decode-0 (with requests running) and then prefill-0
+(half the requests done) are killed with SIGKILL. Every request completes with the offline
+engine's greedy text, the requests on decode-0 migrated, and both workers are back in their
+pools (restarted by Ray). `make chaos` runs the same with 32 tokens per request
+(tests/support/chaos.py) and prints the recovery times."""
 
 from __future__ import annotations
 

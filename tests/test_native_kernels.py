@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +162,17 @@ def _decode_case(
     return TorchAttention(heads, kv_heads, dim), qkv, positions, rotary, cache, meta
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One OpenMP thread (the kernels share torch's libgomp): a decode batch of two or more
+    sequences then takes the task of a sequence with all its KV heads, a single sequence one
+    KV head per task, whatever the machine's core count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("context_lens", [[1], [37, 5, 16], [130, 64]])
 @pytest.mark.parametrize(
     "shape",
@@ -167,7 +180,7 @@ def _decode_case(
     ids=["g3-d32", "smollm2-g3-d64", "g8-d128", "g2-d48", "g5-d40-any", "g1-d320"],
 )
 def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
-    context_lens: list[int], shape: tuple[int, int, int]
+    context_lens: list[int], shape: tuple[int, int, int], one_thread: None
 ) -> None:
     """Query heads per KV head and head sizes: the V sum's unrolled shapes (SmolLM2's), its
     general loop (by two heads and four 16-float slices), and a head size not a multiple of
@@ -184,7 +197,7 @@ def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
     torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
 
 
-def test_a_sequences_attention_is_the_same_bits_alone_and_in_a_batch() -> None:
+def test_a_sequences_attention_is_the_same_bits_alone_and_in_a_batch(one_thread: None) -> None:
     """In a batch of at least two sequences per thread a task is a sequence with all its KV
     heads (its blocks read whole), alone it is one KV head: the sums run in the same order
     either way, so each row's output is bit for bit the same (batch invariance)."""

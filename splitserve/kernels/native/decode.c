@@ -220,6 +220,10 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
     const int C = D / 16, heads = (g1 - g0) * group;
     const int64_t stride = Hkv * D, base = (int64_t)g0 * D;
     const int lines = (g1 - g0) * C;  /* 64-byte lines of a row that are read */
+    if (context <= 0) {  /* no cached token: zeros, as a sum over nothing */
+        for (int64_t i = 0; i < (int64_t)heads * D; i++) out[i] = 0.0f;
+        return;
+    }
     float best[heads], total[heads];
     for (int h = 0; h < heads; h++) best[h] = -INFINITY, total[h] = 0.0f;
     for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
