@@ -79,18 +79,12 @@ def _onednn_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
     (``engine/layers/cpu_gemm.py``); inf where this torch cannot. The ceilings measured with
     torch's matmul alone read 0.18-0.20 TFLOP/s on the project's AMD EPYC VM, below the
     prefill the engine itself ran (MFU 1.3-1.8)."""
-    from splitserve.engine.layers.cpu_gemm import onednn_available
+    from splitserve.engine.layers.cpu_gemm import pack_weight, packed_linear
 
-    if not onednn_available():
+    packed = pack_weight(b.t().contiguous())
+    if packed is None:
         return float("inf")
-    ops = torch.ops.mkldnn
-    try:
-        packed = ops._reorder_linear_weight(b.t().contiguous())
-        return _best_time(
-            lambda: ops._linear_pointwise(a, packed, None, "none", [], ""), a.device, 3
-        )
-    except RuntimeError:
-        return float("inf")
+    return _best_time(lambda: packed_linear(a, packed), a.device, 3)
 
 
 def matmul_params(cfg: ModelConfig, experts: float | None = None) -> int:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.layers.cpu_gemm import onednn_available
+from splitserve.engine.layers.cpu_gemm import pack_weight, packed_linear
 from splitserve.engine.layers.moe import SparseMoE
 
 
@@ -32,7 +32,7 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().to(torch.bfloat16)
-        self.packed = _pack(weight)
+        self.packed = pack_weight(weight)
         self.weight: torch.Tensor | None = None if self.packed is not None else weight
         """The plain bfloat16 weight, kept only where there is no oneDNN packed copy."""
         self.bias = None if linear.bias is None else linear.bias.detach().float()
@@ -40,7 +40,7 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")
+            out = packed_linear(flat, self.packed)
         else:
             assert self.weight is not None
             out = F.linear(flat, self.weight)
@@ -56,15 +56,6 @@ class Bf16Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = "oneDNN-packed" if self.packed is not None else "plain"
         return f"in={self.in_features}, out={self.out_features}, bfloat16 {packed}"
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if not onednn_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight)
-    except RuntimeError:  # a oneDNN build without bfloat16 kernels
-        return None
 
 
 def to_bf16_layers(model: nn.Module) -> int:

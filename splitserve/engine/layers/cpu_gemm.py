@@ -35,26 +35,42 @@ def onednn_available() -> bool:
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
         return False
-    try:
-        w = ops._reorder_linear_weight(torch.ones(8, 8))
-        out = ops._linear_pointwise(torch.ones(2, 8), w, None, "none", [], "")
-    except RuntimeError:
-        return False
-    return bool(torch.equal(out, torch.full((2, 8), 8.0)))
+    return _multiplies_ones(lambda: ops._reorder_linear_weight(torch.ones(8, 8)))
 
 
 @cache
 def _dense_weights_taken() -> bool:
     """Whether oneDNN's linear takes a plain (not reordered) float32 weight here."""
-    if not onednn_available():
-        return False
+    return onednn_available() and _multiplies_ones(lambda: torch.ones(8, 8))
+
+
+def _multiplies_ones(weight: Callable[[], torch.Tensor]) -> bool:
+    """Whether oneDNN's linear gives 8s for ones times weight() (ones, 8 x 8, in the form to
+    try: packed or plain)."""
     try:
-        out = torch.ops.mkldnn._linear_pointwise(
-            torch.ones(2, 8), torch.ones(8, 8), None, "none", [], ""
-        )
+        out = packed_linear(torch.ones(2, 8), weight())
     except RuntimeError:
         return False
     return bool(torch.equal(out, torch.full((2, 8), 8.0)))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight ([out, in], float32 or bfloat16) in oneDNN's blocked layout for packed_linear;
+    None where this torch has no oneDNN linear, or none for this dtype."""
+    if not onednn_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+    except RuntimeError:  # e.g. a oneDNN build without bfloat16 kernels
+        return None
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) through oneDNN: weight from pack_weight, or plain where
+    ``_dense_weights_taken``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def dense_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -63,7 +79,7 @@ def dense_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     than it saves; unpacked, oneDNN still ran SmolLM2's gate|up at 128 rows in 2.3 ms against
     4.7 ms for MKL and 3.1 ms for the native block kernel (one AMD EPYC thread)."""
     if _enabled and x.device.type == "cpu" and _dense_weights_taken():
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+        return packed_linear(x.contiguous(), weight)
     return torch.nn.functional.linear(x, weight)
 
 
@@ -79,7 +95,7 @@ def onednn_linear(x: torch.Tensor, layer: nn.Linear, force: bool = False) -> tor
     if packed is None:
         return None
     bias = None if layer.bias is None else layer.bias.detach()
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return packed_linear(x.contiguous(), packed, bias)
 
 
 def set_onednn_choice(layer: nn.Linear, takes_onednn: Callable[[int], bool], ever: bool) -> None:
@@ -111,6 +127,6 @@ def _packed(layer: nn.Linear) -> torch.Tensor | None:
     held = getattr(layer, _PACKED, None)
     if held is None or held[0] != key:
         with torch.no_grad():
-            held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+            held = (key, pack_weight(weight.detach()))
         object.__setattr__(layer, _PACKED, held)
     return held[1]

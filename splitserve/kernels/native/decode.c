@@ -116,18 +116,24 @@ CLONES void splitserve_silu_and_mul(const float *x, int64_t M, int64_t I, float 
     }
 }
 
-/* Asks for one head's rows (C 64-byte lines each, from float base of a row) of block blk of
- * a sequence's table, which starts at token t0, if any of its tokens are in the context: the
- * walks ask for the next block while they read one, as a sequence's blocks lie anywhere in the
- * pool and the hardware prefetchers do not follow them. */
+/* Asks for rows i0 to i1 - 1 (stride floats apart, C 64-byte lines each) of a block whose
+ * first row is at rows; NULL asks for nothing. The walks ask for the next block while they
+ * read one, as a sequence's blocks lie anywhere in the pool and the hardware prefetchers do
+ * not follow them. */
+INLINE void prefetch_rows(const float *rows, int64_t i0, int64_t i1, int64_t stride, int C) {
+    if (!rows) return;
+    for (int64_t i = i0; i < i1; i++)
+        for (int c = 0; c < C; c++) __builtin_prefetch(rows + i * stride + 16 * c, 0, 3);
+}
+
+/* prefetch_rows for every row of block blk of a sequence's table (which starts at token t0)
+ * that is in the context, from float base of a row. */
 INLINE void prefetch_block(const float *cache, const int64_t *table, int64_t blk, int64_t t0,
                            int64_t context, int64_t block_size, int64_t stride, int64_t base,
                            int C) {
     if (t0 >= context) return;
     int64_t n = context - t0 < block_size ? context - t0 : block_size;
-    const float *rows = cache + table[blk] * block_size * stride + base;
-    for (int64_t i = 0; i < n; i++)
-        for (int c = 0; c < C; c++) __builtin_prefetch(rows + i * stride + 16 * c, 0, 3);
+    prefetch_rows(cache + table[blk] * block_size * stride + base, 0, n, stride, C);
 }
 
 /* The first row (from float base) of block blk of a sequence's table, which starts at token
@@ -232,8 +238,7 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
         const float *next = next_rows(k_cache, table, blk + 1, t0 + block_size, context,
                                       block_size, stride, base);
         for (int64_t i = 0; i < n; i++) {
-            if (next)
-                for (int c = 0; c < lines; c++) __builtin_prefetch(next + i * stride + 16 * c, 0, 3);
+            prefetch_rows(next, i, i + 1, stride, lines);
             for (int h = 0; h < heads; h++) {
                 float s = dot16(q + h * D, kb + i * stride + (h / group) * D, C) * scale;
                 scores[h * context + t0 + i] = s;
@@ -263,10 +268,9 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
         const float *vb = v_cache + table[blk] * block_size * stride + base;
         const float *next = next_rows(v_cache, table, blk + 1, t0 + block_size, context,
                                       block_size, stride, base);
-        for (int g = 0; g < g1 - g0; g++) {
+        for (int g = 0, G = g1 - g0; g < G; g++) {
             /* the next block's rows asked for a share before each KV head's sums */
-            for (int64_t i = g * block_size / (g1 - g0); next && i < (g + 1) * block_size / (g1 - g0); i++)
-                for (int c = 0; c < lines; c++) __builtin_prefetch(next + i * stride + 16 * c, 0, 3);
+            prefetch_rows(next, g * block_size / G, (g + 1) * block_size / G, stride, lines);
             vsum_any(scores + (int64_t)g * group * context + t0, context, group, C,
                      vb + (int64_t)g * D, stride, n, out + (int64_t)g * group * D, blk == 0);
         }
