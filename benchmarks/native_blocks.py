@@ -24,7 +24,15 @@ from gguf.quants import quantize
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitserve.bench.report import git_commit
-from splitserve.kernels.native.blocks import ISAS, NAMES, Q4_1, Q8_0, best_isa, block_matmul
+from splitserve.kernels.native.blocks import (
+    ISAS,
+    NAMES,
+    Q4_1,
+    Q8_0,
+    best_isa,
+    block_matmul,
+    interleave,
+)
 
 # SmolLM2-135M-Instruct.Q4_1.gguf: name, outputs N, inputs K, type (the LM head is the tied
 # Q8_0 token embedding).
@@ -35,6 +43,7 @@ SHAPES = (
     ("down", 576, 1536, Q4_1),
     ("lm_head", 49152, 576, Q8_0),
 )
+INTERLEAVED = "interleaved"
 GGML = {Q4_1: GGMLQuantizationType.Q4_1, Q8_0: GGMLQuantizationType.Q8_0}
 
 
@@ -43,22 +52,37 @@ def weights(n: int, k: int, qtype: int) -> torch.Tensor:
     return torch.from_numpy(quantize(w, GGML[qtype]).copy())
 
 
+def product(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, kernel: str, il: torch.Tensor | None
+) -> torch.Tensor:
+    """kernel: an ISA on the GGUF rows, or "interleaved" (AVX-512 on the interleaved copy)."""
+    if kernel == INTERLEAVED:
+        return block_matmul(x, blocks, qtype, "avx512", interleaved=il)
+    return block_matmul(x, blocks, qtype, kernel)
+
+
 def time_us(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str, calls: int, repeats: int
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    kernel: str,
+    il: torch.Tensor | None,
+    calls: int,
+    repeats: int,
 ) -> float:
-    block_matmul(x, blocks, qtype, isa)
+    product(x, blocks, qtype, kernel, il)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
-            block_matmul(x, blocks, qtype, isa)
+            product(x, blocks, qtype, kernel, il)
         best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e6
 
 
 def table_row(r: dict, isas: list[str]) -> str:
     times = " ".join(f"{r['us'][isa]:10.1f}" for isa in isas)
-    gain = r["us"][isas[0]] / r["us"][isas[-1]]
+    gain = r["us"][isas[0]] / min(r["us"].values())
     shape = f"{r['shape']:8} {r['N']:>5}x{r['K']:<5} {r['type']:5} {r['rows']:>4}"
     return f"{shape} {times}  {gain:.2f}x"
 
@@ -71,14 +95,17 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     isas = [name for name in ISAS[1:] if ISAS.index(name) <= best_isa()]
+    if isas[-1] == "avx512":
+        isas.append(INTERLEAVED)
     results = []
     for name, n, k, qtype in SHAPES:
         blocks = weights(n, k, qtype)
+        il = interleave(blocks, qtype)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            outs = {isa: block_matmul(x, blocks, qtype, isa) for isa in isas}
+            outs = {isa: product(x, blocks, qtype, isa, il) for isa in isas}
             spread = max(float((o - outs[isas[0]]).abs().max()) for o in outs.values())
-            us = {isa: time_us(x, blocks, qtype, isa, args.calls, args.repeats) for isa in isas}
+            us = {isa: time_us(x, blocks, qtype, isa, il, args.calls, args.repeats) for isa in isas}
             results.append({"shape": name, "N": n, "K": k, "type": NAMES[qtype], "rows": rows,
                             "us": us, "max_abs_diff": spread})  # fmt: skip
     header = f"{'shape':8} {'N x K':>11} {'type':5} {'rows':>4} " + " ".join(

@@ -25,6 +25,7 @@ from splitserve.kernels.native.blocks import (
     block_matmul,
     dequantize_ref,
     dequantize_rows,
+    interleave,
     native_available,
     native_isa,
     set_native_isa,
@@ -79,6 +80,37 @@ def test_avx512_products_see_the_same_weights_as_avx2_and_portable(qtype: int) -
     by_isa = {isa: block_matmul(x, blocks, qtype, isa) for isa in ISAS}
     torch.testing.assert_close(by_isa["avx512"], by_isa["avx2"], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(by_isa["avx512"], by_isa["portable"], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(best_isa() < ISAS.index("avx512"), reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("rows", [2, 8, 13, 32])
+@pytest.mark.parametrize("outputs", [16, 40, 100])
+def test_the_interleaved_copy_gives_the_product_with_the_dequantized_weight(
+    qtype: int, rows: int, outputs: int
+) -> None:
+    # 16 outputs: one group padded to a pair; 40: a pair and a partial one; 32 rows: three
+    # passes of the kernel's rows.
+    blocks, reference = _blocks(qtype, outputs, 160, seed=rows + outputs)
+    il = interleave(blocks, qtype)
+    assert il is not None
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    out = block_matmul(x, blocks, qtype, "avx512", interleaved=il)
+    expected = x.double() @ torch.from_numpy(reference).double().T
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+    # One-hot rows pick single weights: the interleaved kernel sees gguf's weights bit for bit.
+    picks = torch.eye(160)[[0, 1, 15, 16, 17, 31, 32, 100, 159, 2, 3, 64, 65][: max(rows, 8)]]
+    out = block_matmul(picks.contiguous(), blocks, qtype, "avx512", interleaved=il)
+    assert torch.equal(out, torch.from_numpy(reference)[:, picks.argmax(1)].T)
+
+
+def test_no_interleaved_copy_below_avx512() -> None:
+    blocks, _ = _blocks(Q4_1, 16, 64)
+    set_native_isa("avx2")
+    try:
+        assert interleave(blocks, Q4_1) is None
+    finally:
+        set_native_isa(None)
 
 
 def test_native_isa_is_capped_by_the_setting_and_by_the_cpu(

@@ -15,7 +15,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.expert_parallel import GroupMember
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
 from splitserve.engine.layers.bf16_linear import to_bf16_layers
-from splitserve.engine.layers.block_linear import to_block_layers
+from splitserve.engine.layers.block_linear import interleave_blocks, to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.projection_choice import choose_cpu_paths
@@ -115,6 +115,7 @@ class ModelRunner:
             to_bf16_layers(model)
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
+            interleave_blocks(model)
             choose_cpu_paths(model)
         return model.eval()
 

@@ -134,6 +134,8 @@ class NativeDecode:
                 layer.post_attention_layernorm.weight, attn.k_cache, attn.v_cache,
             )  # fmt: skip
             pointers += [t.data_ptr() for t in tensors]
+            for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                pointers.append(0 if p.interleaved is None else p.interleaved.data_ptr())
         self._pointers = torch.tensor(pointers, dtype=torch.int64)
         self._dims[5] = first.shape[1]
         self._cache_ptr = first.data_ptr()

@@ -16,4 +16,8 @@ int splitserve_block_bytes(int qtype);
 int splitserve_has_avx512(void);
 void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
                              int64_t n0, int64_t n1, float *out, int64_t N);
+/* The many-row product on the interleaved copy (blocks_avx512.c describes the layout):
+ * outputs [32 pair, 32 pair + 32) of out[M, N]. AVX-512 only. */
+void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t K,
+                                   const uint8_t *il, int64_t pair, float *out, int64_t N);
 #endif

@@ -62,12 +62,17 @@ def in_features(qtype: int, blocks: torch.Tensor) -> int:
 
 
 def block_matmul(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str | None = None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    isa: str | None = None,
+    interleaved: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(blocks [N, ...]).T -> [M, N] float32 (native kernel).
 
     isa names the instruction set (tests and benchmarks compare them); None: ``native_isa()``.
-    One the CPU lacks falls back to the widest below it."""
+    One the CPU lacks falls back to the widest below it. interleaved: ``interleave(blocks)``,
+    which the AVX-512 path takes from two rows (blocks.c)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not built")
@@ -77,11 +82,26 @@ def block_matmul(
         raise ValueError(f"block_matmul needs float32 [M, {k}] and uint8 blocks")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     level = ISAS.index(isa or native_isa())
+    il = None if interleaved is None else interleaved.data_ptr()
     code = lib.splitserve_block_matmul(
-        qtype, level, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), n, out.data_ptr()
+        qtype, level, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), il, n, out.data_ptr()
     )
     if code != 0:
         raise ValueError(f"block_matmul: unsupported type {qtype} or K {k}")
+    return out
+
+
+def interleave(blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
+    """The copy of blocks [N, ...] that the AVX-512 kernel takes at two rows and more: groups of
+    16 outputs side by side (the layout is in blocks_avx512.c), the same bytes as blocks give
+    or take a padding group. None where the block products do not run on AVX-512."""
+    lib = load()
+    if lib is None or native_isa() != "avx512":
+        return None
+    blocks = blocks.contiguous()
+    n, k = blocks.shape[0], in_features(qtype, blocks)
+    out = torch.empty(lib.splitserve_interleaved_bytes(qtype, n, k), dtype=torch.uint8)
+    lib.splitserve_interleave(qtype, blocks.data_ptr(), n, k, out.data_ptr())
     return out
 
 

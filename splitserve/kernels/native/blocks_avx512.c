@@ -115,6 +115,120 @@ TILES(Q4_0)
 TILES(Q4_1)
 TILES(Q8_0)
 
+/* ---- Many rows: the interleaved layout ----
+ * At a few rows and more, the products above spend more on dequantizing and on the x loads and
+ * horizontal sums of one output at a time than on FMAs. For those, a copy of the weight is kept
+ * interleaved (splitserve_interleave): 16 outputs side by side, so that one zmm holds one input
+ * k of 16 outputs. A block of a group of 16 outputs is 16 blocks' bytes, rearranged:
+ *   Q4_0  d[16] fp16, then 16 x 16 bytes: byte j of output o at 32 + 16 j + o
+ *   Q4_1  d[16] fp16, m[16] fp16, then the bytes as Q4_0's from 64
+ *   Q8_0  d[16] fp16, then 32 x 16 int8: weight k of output o at 32 + 16 k + o
+ * (byte j holds weights j and j + 16, as in the file). The group count is even (a zero group
+ * pads an odd one) and outputs past N are zero. The kernel takes two groups (32 outputs) and up
+ * to 12 rows: per input k, two weight vectors dequantized with gguf's float32 operations (as
+ * above: bit-identical weights), one broadcast of x per row, 24 FMAs, no horizontal sums; each
+ * (row, output) sums its products in k order. */
+#ifndef IL_MT
+#define IL_MT 12
+#endif
+
+INLINE int il_header(int qtype) { return qtype == Q4_1 ? 64 : 32; }
+
+/* The 16 outputs' bytes j of block blk (Q4_0, Q4_1: weights j and j + 16 as nibbles) or
+ * int8 weights j (Q8_0), widened to int32. */
+INLINE __m512i il_load(int qtype, const uint8_t *blk, int j) {
+    const __m128i *at = (const __m128i *)(blk + il_header(qtype) + 16 * j);
+    return qtype == Q8_0 ? _mm512_cvtepi8_epi32(_mm_loadu_si128(at))
+                         : _mm512_cvtepu8_epi32(_mm_loadu_si128(at));
+}
+
+/* Weight j (high = 0) or j + 16 (high = 1) of the 16 outputs from il_load's q (for Q8_0, q of
+ * j or j + 16 itself). */
+INLINE __m512 il_weight(int qtype, __m512i q, int high, __m512 d, __m512 m) {
+    if (qtype == Q8_0) return _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+    q = high ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    if (qtype == Q4_1) return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))), d);
+}
+
+INLINE void il_fma(const float *xb, int64_t K, const int MT, __m512 w0, __m512 w1,
+                   __m512 acc[][2]) {
+    for (int r = 0; r < MT; r++) {
+        __m512 v = _mm512_set1_ps(xb[r * K]);
+        acc[r][0] = _mm512_fmadd_ps(w0, v, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w1, v, acc[r][1]);
+    }
+}
+
+/* Rows [0, MT) of x (row stride K) times the 32 outputs of groups g and g + 1 (at il, nb
+ * blocks each), into out (row stride N) columns [n, n + valid). */
+INLINE void il_pass(int qtype, const float *x, const int MT, int64_t K, const uint8_t *il,
+                    float *out, int64_t N, int64_t n, int64_t valid) {
+    int64_t nb = K / QK, gbytes = 16 * (int64_t)block_bytes(qtype);
+    __m512 acc[IL_MT][2];
+    for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *b0 = il + b * gbytes, *b1 = b0 + nb * gbytes;
+        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));
+        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));
+        __m512 m0 = d0, m1 = d1;
+        if (qtype == Q4_1) {
+            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b0 + 32)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b1 + 32)));
+        }
+        const float *xb = x + b * QK;
+        for (int j = 0; j < 16; j++) {
+            __m512i q0 = il_load(qtype, b0, j), q1 = il_load(qtype, b1, j);
+            il_fma(xb + j, K, MT, il_weight(qtype, q0, 0, d0, m0),
+                   il_weight(qtype, q1, 0, d1, m1), acc);
+            if (qtype == Q8_0) q0 = il_load(qtype, b0, j + 16), q1 = il_load(qtype, b1, j + 16);
+            il_fma(xb + j + 16, K, MT, il_weight(qtype, q0, 1, d0, m0),
+                   il_weight(qtype, q1, 1, d1, m1), acc);
+        }
+    }
+    __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+    __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    for (int r = 0; r < MT; r++) {
+        _mm512_mask_storeu_ps(out + r * N + n, k0, acc[r][0]);
+        _mm512_mask_storeu_ps(out + r * N + n + 16, k1, acc[r][1]);
+    }
+}
+
+#define IL_CASE(Q, R) \
+    case R: il_pass(Q, x, R, K, il, out, N, n, valid); break;
+#define INTERLEAVED(Q)                                                                        \
+    AVX512 static void il_rows_##Q(const float *x, int64_t rows, int64_t K, const uint8_t *il, \
+                                   float *out, int64_t N, int64_t n, int64_t valid) {         \
+        switch (rows) {                                                                       \
+            IL_CASE(Q, 1) IL_CASE(Q, 2) IL_CASE(Q, 3) IL_CASE(Q, 4) IL_CASE(Q, 5) IL_CASE(Q, 6) \
+            IL_CASE(Q, 7) IL_CASE(Q, 8) IL_CASE(Q, 9) IL_CASE(Q, 10) IL_CASE(Q, 11)            \
+            IL_CASE(Q, 12) default: break;                                                    \
+        }                                                                                     \
+    }
+INTERLEAVED(Q4_0)
+INTERLEAVED(Q4_1)
+INTERLEAVED(Q8_0)
+
+void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t K,
+                                   const uint8_t *il, int64_t pair, float *out, int64_t N) {
+    int64_t nb = K / QK, gbytes = 16 * (int64_t)block_bytes(qtype), n = 32 * pair;
+    int64_t valid = N - n < 32 ? N - n : 32, passes = (M + IL_MT - 1) / IL_MT;
+    const uint8_t *w = il + 2 * pair * nb * gbytes;
+    for (int64_t p = 0, m = 0; p < passes; p++) {
+        int64_t rows = (M - m) / (passes - p); /* even passes: 32 rows as 11 + 11 + 10 */
+        rows += (M - m) % (passes - p) != 0;
+        const float *xm = x + m * K;
+        float *om = out + m * N;
+        if (qtype == Q4_1)
+            il_rows_Q4_1(xm, rows, K, w, om, N, n, valid);
+        else if (qtype == Q8_0)
+            il_rows_Q8_0(xm, rows, K, w, om, N, n, valid);
+        else
+            il_rows_Q4_0(xm, rows, K, w, om, N, n, valid);
+        m += rows;
+    }
+}
+
 int splitserve_has_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma") &&
@@ -132,6 +246,11 @@ void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, co
 }
 
 #else /* not x86-64: no AVX-512, and splitserve_block_matmul never asks for it */
+void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t K,
+                                   const uint8_t *il, int64_t pair, float *out, int64_t N) {
+    (void)qtype, (void)x, (void)M, (void)K, (void)il, (void)pair, (void)out, (void)N;
+}
+
 int splitserve_has_avx512(void) { return 0; }
 
 void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,

@@ -92,8 +92,12 @@ def load() -> ctypes.CDLL | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.splitserve_block_matmul.argtypes = [i32, i32, ptr, i64, i64, ptr, i64, ptr]
+    lib.splitserve_block_matmul.argtypes = [i32, i32, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.splitserve_block_matmul.restype = i32
+    lib.splitserve_interleaved_bytes.argtypes = [i32, i64, i64]
+    lib.splitserve_interleaved_bytes.restype = i64
+    lib.splitserve_interleave.argtypes = [i32, ptr, i64, i64, ptr]
+    lib.splitserve_interleave.restype = None
     lib.splitserve_dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr]
     lib.splitserve_dequant_rows.restype = None
     lib.splitserve_block_bytes.argtypes = [i32]

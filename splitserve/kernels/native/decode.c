@@ -367,15 +367,18 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
 
 /* ---- every decoder layer of a Llama-family model for B decode tokens, one call ---- */
 int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64_t K,
-                            const uint8_t *w, int64_t N, float *out);
+                            const uint8_t *w, const uint8_t *il, int64_t N, float *out);
 
-enum { W_QKV, W_O, W_GATE_UP, W_DOWN, W_LN1, W_LN2, W_K_CACHE, W_V_CACHE, W_COUNT };
+enum {
+    W_QKV, W_O, W_GATE_UP, W_DOWN, W_LN1, W_LN2, W_K_CACHE, W_V_CACHE,
+    IL_QKV, IL_O, IL_GATE_UP, IL_DOWN, W_COUNT
+};
 enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_LAYERS, D_COUNT };
 
 /* x [B, hidden]: the embeddings, overwritten with the last layer's MLP output; residual
  * [B, hidden] receives the residual stream (the final norm adds the two). layers: W_COUNT
  * pointers per layer (the four projections' GGUF blocks, the two norms' weights, the layer's
- * K and V caches); types: the four projections' GGUF types per layer; dims: D_COUNT sizes.
+ * K and V caches, the four projections' interleaved copies or 0); types: the four projections' GGUF types per layer; dims: D_COUNT sizes.
  * scratch: B * (2 hidden + qkv width + H D + 3 I) floats. The per-step arguments are those of
  * splitserve_decode_attention, isa that of splitserve_block_matmul. Each step is the same
  * native call the modules make one by one (engine/layers/native_decode.py), so the results
@@ -395,7 +398,8 @@ int splitserve_decode_layers(float *x, float *residual, int64_t B, const uint64_
         const int32_t *t = types + l * 4;
         splitserve_add_rms_norm(x, l ? residual : NULL, (const float *)p[W_LN1], eps, B, hidden,
                                 h, residual);
-        if (splitserve_block_matmul(t[0], isa, h, B, hidden, (const uint8_t *)p[W_QKV], width,
+        if (splitserve_block_matmul(t[0], isa, h, B, hidden, (const uint8_t *)p[W_QKV],
+                                    (const uint8_t *)p[IL_QKV], width,
                                     qkv))
             return -1;
         if (splitserve_decode_attention(qkv, B, (int)H, (int)Hkv, (int)D, positions, cos, sin,
@@ -403,16 +407,18 @@ int splitserve_decode_layers(float *x, float *residual, int64_t B, const uint64_
                                         dims[D_BLOCK], slots, block_tables, max_blocks,
                                         context_lens, scale, attn))
             return -2;
-        if (splitserve_block_matmul(t[1], isa, attn, B, H * D, (const uint8_t *)p[W_O], hidden,
+        if (splitserve_block_matmul(t[1], isa, attn, B, H * D, (const uint8_t *)p[W_O],
+                                    (const uint8_t *)p[IL_O], hidden,
                                     out))
             return -1;
         splitserve_add_rms_norm(out, residual, (const float *)p[W_LN2], eps, B, hidden, h,
                                 residual);
         if (splitserve_block_matmul(t[2], isa, h, B, hidden, (const uint8_t *)p[W_GATE_UP],
-                                    2 * I, gate_up))
+                                    (const uint8_t *)p[IL_GATE_UP], 2 * I, gate_up))
             return -1;
         splitserve_silu_and_mul(gate_up, B, I, act);
-        if (splitserve_block_matmul(t[3], isa, act, B, I, (const uint8_t *)p[W_DOWN], hidden, x))
+        if (splitserve_block_matmul(t[3], isa, act, B, I, (const uint8_t *)p[W_DOWN],
+                                    (const uint8_t *)p[IL_DOWN], hidden, x))
             return -1;
     }
     return 0;
