@@ -145,7 +145,9 @@ Candidate = Callable[[torch.Tensor], "torch.Tensor | None"]
 def _candidates(module: nn.Module) -> dict[str, Candidate]:
     if isinstance(module, BlockLinear):
         return {
-            NATIVE: lambda x: block_matmul(x, module.weight, module.qtype),
+            NATIVE: lambda x: block_matmul(
+                x, module.weight, module.qtype, interleaved=module.interleaved
+            ),
             DEQUANTIZE: lambda x: dense_gemm(x, module.dequantized()),
         }
     assert isinstance(module, nn.Linear)
