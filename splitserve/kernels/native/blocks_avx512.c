@@ -201,8 +201,7 @@ INLINE void il_pass(int qtype, const float *x, const int MT, int64_t K, const ui
                                    float *out, int64_t N, int64_t n, int64_t valid) {         \
         switch (rows) {                                                                       \
             IL_CASE(Q, 1) IL_CASE(Q, 2) IL_CASE(Q, 3) IL_CASE(Q, 4) IL_CASE(Q, 5) IL_CASE(Q, 6) \
-            IL_CASE(Q, 7) IL_CASE(Q, 8) IL_CASE(Q, 9) IL_CASE(Q, 10) IL_CASE(Q, 11)            \
-            IL_CASE(Q, 12) default: break;                                                    \
+            IL_CASE(Q, 7) IL_CASE(Q, 8) default: break; /* rows <= IL_MT */                   \
         }                                                                                     \
     }
 INTERLEAVED(Q4_0)
