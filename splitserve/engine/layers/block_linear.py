@@ -40,11 +40,8 @@ class BlockLinear(nn.Module):
         """Steps of at least this many rows dequantize the weight and take a GEMM (as
         measured at load, ``projection_choice.py``); None: every step takes the native kernel."""
         self.interleaved: torch.Tensor | None = None
-        """The weight's interleaved copy (``interleave``), which the AVX-512 kernel takes from
-        two rows; made by ``make_interleaved`` once the weight is loaded."""
-
-    def make_interleaved(self) -> None:
-        self.interleaved = interleave(self.weight.data, self.qtype)
+        """The weight's interleaved copy (``interleave``), which the AVX-512 kernel takes from a
+        few rows; made by ``interleave_blocks`` once the weight is loaded."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -107,7 +104,7 @@ def interleave_blocks(model: nn.Module) -> None:
     on AVX-512; the same bytes again as the blocks, SmolLM2: +96 MB)."""
     for module in model.modules():
         if isinstance(module, BlockLinear):
-            module.make_interleaved()
+            module.interleaved = interleave(module.weight.data, module.qtype)
 
 
 def _tied_pairs(model: nn.Module) -> dict[str, list[str]]:

@@ -55,7 +55,7 @@ static void dequant_block(int qtype, const uint8_t *b, float *w) {
         for (int j = 0; j < QK; j++) w[j] = (float)(int8_t)b[2 + j] * d;
         return;
     }
-    const uint8_t *qs = b + (qtype == Q4_1 ? 4 : 2);
+    const uint8_t *qs = b + block_header(qtype);
     float m = qtype == Q4_1 ? block_scale(b, 2) : 0.0f;
     for (int j = 0; j < QK / 2; j++) {
         int lo = qs[j] & 0x0f, hi = qs[j] >> 4;
@@ -259,7 +259,7 @@ int64_t splitserve_interleaved_bytes(int qtype, int64_t N, int64_t K) {
 /* w[N, K] (GGUF rows) -> il, its interleaved copy (blocks_avx512.c describes the layout). */
 void splitserve_interleave(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *il) {
     int64_t nb = K / QK, bytes = splitserve_block_bytes(qtype), gbytes = 16 * bytes;
-    int64_t header = qtype == Q4_1 ? 4 : 2, data = bytes - header;
+    int64_t header = block_header(qtype), data = bytes - header;
     memset(il, 0, (size_t)splitserve_interleaved_bytes(qtype, N, K));
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {

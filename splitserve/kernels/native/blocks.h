@@ -11,6 +11,9 @@ static inline int block_bytes(int qtype) {
 }
 int splitserve_block_bytes(int qtype);
 
+/* Bytes of a block before its quants: d (and m for Q4_1), fp16 each. */
+static inline int block_header(int qtype) { return qtype == Q4_1 ? 4 : 2; }
+
 /* The AVX-512 path (blocks_avx512.c): whether this CPU runs it, and outputs [n0, n1) of
  * out[M, N] = x[M, K] @ dequant(w[N, K]).T, which it may only be asked for where it does. */
 int splitserve_has_avx512(void);

@@ -72,7 +72,7 @@ def block_matmul(
 
     isa names the instruction set (tests and benchmarks compare them); None: ``native_isa()``.
     One the CPU lacks falls back to the widest below it. interleaved: ``interleave(blocks)``,
-    which the AVX-512 path takes from two rows (blocks.c)."""
+    which the AVX-512 path takes from two rows (Q8_0: eight; blocks.c)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not built")
@@ -92,7 +92,7 @@ def block_matmul(
 
 
 def interleave(blocks: torch.Tensor, qtype: int) -> torch.Tensor | None:
-    """The copy of blocks [N, ...] that the AVX-512 kernel takes at two rows and more: groups of
+    """The copy of blocks [N, ...] that the AVX-512 kernel takes from a few rows: groups of
     16 outputs side by side (the layout is in blocks_avx512.c), the same bytes as blocks give
     or take a padding group. None where the block products do not run on AVX-512."""
     lib = load()

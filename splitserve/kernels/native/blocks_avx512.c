@@ -132,7 +132,8 @@ TILES(Q8_0)
  * thread); 8 was the fastest at 32 and 128 rows. */
 #define IL_MT 8
 
-INLINE int il_header(int qtype) { return qtype == Q4_1 ? 64 : 32; }
+/* Bytes of a group's block before its quants: the 16 outputs' headers. */
+INLINE int il_header(int qtype) { return 16 * block_header(qtype); }
 
 /* The 16 outputs' bytes j of block blk (Q4_0, Q4_1: weights j and j + 16 as nibbles) or
  * int8 weights j (Q8_0), widened to int32. */

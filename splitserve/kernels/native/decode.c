@@ -378,7 +378,8 @@ enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_LAYERS, D_
 /* x [B, hidden]: the embeddings, overwritten with the last layer's MLP output; residual
  * [B, hidden] receives the residual stream (the final norm adds the two). layers: W_COUNT
  * pointers per layer (the four projections' GGUF blocks, the two norms' weights, the layer's
- * K and V caches, the four projections' interleaved copies or 0); types: the four projections' GGUF types per layer; dims: D_COUNT sizes.
+ * K and V caches, the four projections' interleaved copies or 0); types: the four projections'
+ * GGUF types per layer; dims: D_COUNT sizes.
  * scratch: B * (2 hidden + qkv width + H D + 3 I) floats. The per-step arguments are those of
  * splitserve_decode_attention, isa that of splitserve_block_matmul. Each step is the same
  * native call the modules make one by one (engine/layers/native_decode.py), so the results
@@ -399,8 +400,7 @@ int splitserve_decode_layers(float *x, float *residual, int64_t B, const uint64_
         splitserve_add_rms_norm(x, l ? residual : NULL, (const float *)p[W_LN1], eps, B, hidden,
                                 h, residual);
         if (splitserve_block_matmul(t[0], isa, h, B, hidden, (const uint8_t *)p[W_QKV],
-                                    (const uint8_t *)p[IL_QKV], width,
-                                    qkv))
+                                    (const uint8_t *)p[IL_QKV], width, qkv))
             return -1;
         if (splitserve_decode_attention(qkv, B, (int)H, (int)Hkv, (int)D, positions, cos, sin,
                                         (float *)p[W_K_CACHE], (float *)p[W_V_CACHE],
@@ -408,8 +408,7 @@ int splitserve_decode_layers(float *x, float *residual, int64_t B, const uint64_
                                         context_lens, scale, attn))
             return -2;
         if (splitserve_block_matmul(t[1], isa, attn, B, H * D, (const uint8_t *)p[W_O],
-                                    (const uint8_t *)p[IL_O], hidden,
-                                    out))
+                                    (const uint8_t *)p[IL_O], hidden, out))
             return -1;
         splitserve_add_rms_norm(out, residual, (const float *)p[W_LN2], eps, B, hidden, h,
                                 residual);
