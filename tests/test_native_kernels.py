@@ -84,13 +84,13 @@ def test_avx512_products_see_the_same_weights_as_avx2_and_portable(qtype: int) -
 
 @pytest.mark.skipif(best_isa() < ISAS.index("avx512"), reason="this CPU has no AVX-512F")
 @pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
-@pytest.mark.parametrize("rows", [2, 8, 13, 32])
+@pytest.mark.parametrize("rows", [2, 8, 13, 32, 130])
 @pytest.mark.parametrize("outputs", [16, 40, 100])
 def test_the_interleaved_copy_gives_the_product_with_the_dequantized_weight(
     qtype: int, rows: int, outputs: int
 ) -> None:
-    # 16 outputs: one group padded to a pair; 40: a pair and a partial one; 32 rows: three
-    # passes of the kernel's rows.
+    # 16 outputs: one group padded to a pair; 40: a pair and a partial one; 13 rows: uneven
+    # passes; 32 rows: the dequantized panel for the 4-bit types; 130 rows: for Q8_0 too.
     blocks, reference = _blocks(qtype, outputs, 160, seed=rows + outputs)
     il = interleave(blocks, qtype)
     assert il is not None
@@ -98,9 +98,15 @@ def test_the_interleaved_copy_gives_the_product_with_the_dequantized_weight(
     out = block_matmul(x, blocks, qtype, "avx512", interleaved=il)
     expected = x.double() @ torch.from_numpy(reference).double().T
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+    # Each sum is one chain in a fixed order, whichever interleaved kernel the row count takes
+    # (Q8_0 takes the copy from 8 rows).
+    head = min(rows, 8 if qtype == Q8_0 else 2)
+    first = block_matmul(x[:head].contiguous(), blocks, qtype, "avx512", interleaved=il)
+    assert torch.equal(out[:head], first)
     # One-hot rows pick single weights: the interleaved kernel sees gguf's weights bit for bit.
-    picks = torch.eye(160)[[0, 1, 15, 16, 17, 31, 32, 100, 159, 2, 3, 64, 65][: max(rows, 8)]]
-    out = block_matmul(picks.contiguous(), blocks, qtype, "avx512", interleaved=il)
+    inputs = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100, 159, 2, 3, 64, 65])
+    picks = torch.eye(160)[inputs[torch.arange(max(rows, 8)) % len(inputs)]]
+    out = block_matmul(picks, blocks, qtype, "avx512", interleaved=il)
     assert torch.equal(out, torch.from_numpy(reference)[:, picks.argmax(1)].T)
 
 

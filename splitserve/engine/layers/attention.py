@@ -176,30 +176,28 @@ class TorchAttention(AttentionBackend):
         seg: PrefillSegment,
     ) -> torch.Tensor:
         cached = seg.context_len - seg.length
+        mask = None
         if cached:
             table = seg.block_table[None, :]
             k = gather_context(k_cache, table)[0, : seg.context_len]
             v = gather_context(v_cache, table)[0, : seg.context_len]
             positions = torch.arange(seg.length, device=q.device)[:, None] + cached
             mask = torch.arange(seg.context_len, device=q.device)[None, :] <= positions
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-        else:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-        return out.transpose(0, 1)
+        group = self.num_heads // self.num_kv_heads
+        if q.device.type == "cpu" and group > 1:
+            # The CPU's flash kernel takes no grouped K/V (enable_gqa falls back to the math
+            # path: SmolLM2's 256-token prompt 3.2 against 1.7 ms a layer on one Zen 5 thread).
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return out[0].transpose(0, 1)
 
 
 def write_kv(
