@@ -13,8 +13,6 @@
  */
 #include "blocks.h"
 
-#include <stdlib.h>
-
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -212,22 +210,35 @@ INTERLEAVED(Q4_1)
 INTERLEAVED(Q8_0)
 
 /* ---- Many rows: a dequantized panel ----
- * From panel_from() rows the pair's 32 outputs are dequantized once, into a float32 panel of
- * K x 32 (in each block the inputs in the chain order 0, 16, 1, 17, ...), and every pass of up
+ * From panel_from() rows the pair's 32 outputs are dequantized once per step into a float32
+ * panel (in each block the inputs in the chain order 0, 16, 1, 17, ...), and every pass of up
  * to PANEL_MT rows only loads two weight vectors per input and runs its FMAs: dequantizing per
- * pass cost about a third of the interleaved passes above. The products and their order are
- * those of il_pass, so the sums are bit-identical to it at any row count. */
+ * pass cost about a third of the interleaved passes above. The panel covers PANEL_KC inputs at
+ * a time, so that it and the rows' x stay in the L1 cache; between pieces each pass stores its
+ * sums to out and loads them back, which changes no bit. The products and their order are those
+ * of il_pass, so the sums are bit-identical to it at any row count. */
 #define PANEL_MT 8
+#define PANEL_KC 192
 
-/* Rows from which a pair takes the panel. Q8_0 dequantizes with one multiply per weight, so
- * storing and reloading its panel cost more than it saved below 128 rows (the LM head: 9.9
- * against 8.9 ms at 32 rows, 75.9 against 85.1 at 256; one Zen 5 thread). */
-static int panel_from(int qtype) { return qtype == Q8_0 ? 128 : 16; }
+/* Rows from which a pair takes the panel: the 4-bit types' passes above are as fast up to 12
+ * rows (SmolLM2's gate|up: 195 us either way, 128 against 144 us at 8 rows), Q8_0's are slower
+ * from the 8 rows at which it takes the interleaved copy at all (the LM head: 2.43 against 2.28
+ * ms at 8 rows, 3.60 against 3.15 at 12; one Zen 5 thread). */
+static int panel_from(int qtype) { return qtype == Q8_0 ? 8 : 16; }
 
-INLINE void panel_dequantize(int qtype, const uint8_t *il, int64_t K, float *panel) {
-    int64_t nb = K / QK, gbytes = 16 * (int64_t)block_bytes(qtype);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *b0 = il + b * gbytes, *b1 = b0 + nb * gbytes;
+/* Blocks [0, blocks) of the pair whose group 0 starts at il (group 1 stride blocks later)
+ * into panel; asks for the same blocks of the next pair (NULL: none), which this thread takes
+ * next. */
+INLINE void panel_dequantize(int qtype, const uint8_t *il, int64_t stride, int64_t blocks,
+                             float *panel, const uint8_t *next) {
+    int64_t gbytes = 16 * (int64_t)block_bytes(qtype);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *b0 = il + b * gbytes, *b1 = b0 + stride * gbytes;
+        if (next)
+            for (int64_t at = 0; at < gbytes; at += 64) {
+                _mm_prefetch((const char *)next + b * gbytes + at, _MM_HINT_T0);
+                _mm_prefetch((const char *)next + (stride + b) * gbytes + at, _MM_HINT_T0);
+            }
         __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));
         __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));
         __m512 m0 = d0, m1 = d1;
@@ -248,19 +259,28 @@ INLINE void panel_dequantize(int qtype, const uint8_t *il, int64_t K, float *pan
     }
 }
 
-#define PANEL_DEQUANTIZE(Q)                                                                  \
-    AVX512 static void panel_dequantize_##Q(const uint8_t *il, int64_t K, float *panel) {     \
-        panel_dequantize(Q, il, K, panel);                                                    \
+#define PANEL_DEQUANTIZE(Q)                                                                   \
+    AVX512 static void panel_dequantize_##Q(const uint8_t *il, int64_t stride, int64_t blocks, \
+                                            float *panel, const uint8_t *next) {               \
+        panel_dequantize(Q, il, stride, blocks, panel, next);                                  \
     }
 PANEL_DEQUANTIZE(Q4_0)
 PANEL_DEQUANTIZE(Q4_1)
 PANEL_DEQUANTIZE(Q8_0)
 
-INLINE void panel_pass(const float *x, const int MT, int64_t K, const float *panel, float *out,
-                       int64_t N, int64_t n, int64_t valid) {
+/* Rows [0, MT) of x (row stride K) times the panel's blocks [0, blocks), into out (row stride
+ * N) columns [n, n + valid), starting from zero (first) or from the sums out holds. */
+INLINE void panel_pass(const float *x, const int MT, int64_t K, int64_t blocks,
+                       const float *panel, float *out, int64_t N, int64_t n, int64_t valid,
+                       int first) {
     __m512 acc[PANEL_MT][2];
-    for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / QK; b++) {
+    __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+    __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    for (int r = 0; r < MT; r++) {
+        acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k0, out + r * N + n);
+        acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k1, out + r * N + n + 16);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
         const float *pb = panel + b * QK * 32, *xb = x + b * QK;
         for (int j = 0; j < 16; j++) {
             il_fma(xb + j, K, MT, _mm512_load_ps(pb + 64 * j), _mm512_load_ps(pb + 64 * j + 16),
@@ -269,8 +289,6 @@ INLINE void panel_pass(const float *x, const int MT, int64_t K, const float *pan
                    _mm512_load_ps(pb + 64 * j + 48), acc);
         }
     }
-    __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
-    __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
     for (int r = 0; r < MT; r++) {
         _mm512_mask_storeu_ps(out + r * N + n, k0, acc[r][0]);
         _mm512_mask_storeu_ps(out + r * N + n + 16, k1, acc[r][1]);
@@ -278,26 +296,15 @@ INLINE void panel_pass(const float *x, const int MT, int64_t K, const float *pan
 }
 
 #define PANEL_CASE(R) \
-    case R: panel_pass(x, R, K, panel, out, N, n, valid); break;
-AVX512 static void panel_rows(const float *x, int64_t rows, int64_t K, const float *panel,
-                              float *out, int64_t N, int64_t n, int64_t valid) {
+    case R: panel_pass(x, R, K, blocks, panel, out, N, n, valid, first); break;
+AVX512 static void panel_rows(const float *x, int64_t rows, int64_t K, int64_t blocks,
+                              const float *panel, float *out, int64_t N, int64_t n,
+                              int64_t valid, int first) {
     switch (rows) {
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
         PANEL_CASE(7) PANEL_CASE(8)
         default: break; /* rows <= PANEL_MT */
     }
-}
-
-/* This thread's panel, grown to K x 32 floats (kept for the thread's next products). */
-static float *thread_panel(int64_t K) {
-    static __thread float *panel;
-    static __thread int64_t capacity;
-    if (capacity < K) {
-        free(panel);
-        panel = aligned_alloc(64, (size_t)K * 32 * sizeof(float));
-        capacity = panel ? K : 0;
-    }
-    return panel;
 }
 
 /* Rows [0, M) in passes of at most mt rows, as even as they go (20 rows at 8: 7 + 7 + 6). */
@@ -315,15 +322,22 @@ void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t
     int64_t nb = K / QK, gbytes = 16 * (int64_t)block_bytes(qtype), n = 32 * pair;
     int64_t valid = N - n < 32 ? N - n : 32;
     const uint8_t *w = il + 2 * pair * nb * gbytes;
-    float *panel = M >= panel_from(qtype) ? thread_panel(K) : NULL;
-    if (panel) {
-        if (qtype == Q4_1)
-            panel_dequantize_Q4_1(w, K, panel);
-        else if (qtype == Q8_0)
-            panel_dequantize_Q8_0(w, K, panel);
-        else
-            panel_dequantize_Q4_0(w, K, panel);
-        PASSES(PANEL_MT, panel_rows(xm, rows, K, panel, om, N, n, valid));
+    if (M >= panel_from(qtype)) {
+        float panel[PANEL_KC * 32] __attribute__((aligned(64)));
+        /* The next pair's blocks, which this thread's next call takes (static schedule). */
+        const uint8_t *next = n + 32 < N ? w + 2 * nb * gbytes : NULL;
+        for (int64_t b0 = 0; b0 < nb; b0 += PANEL_KC / QK) {
+            int64_t blocks = nb - b0 < PANEL_KC / QK ? nb - b0 : PANEL_KC / QK;
+            const uint8_t *at = w + b0 * gbytes, *ahead = next ? next + b0 * gbytes : NULL;
+            if (qtype == Q4_1)
+                panel_dequantize_Q4_1(at, nb, blocks, panel, ahead);
+            else if (qtype == Q8_0)
+                panel_dequantize_Q8_0(at, nb, blocks, panel, ahead);
+            else
+                panel_dequantize_Q4_0(at, nb, blocks, panel, ahead);
+            PASSES(PANEL_MT,
+                   panel_rows(xm + b0 * QK, rows, K, blocks, panel, om, N, n, valid, b0 == 0));
+        }
     } else if (qtype == Q4_1) {
         PASSES(IL_MT, il_rows_Q4_1(xm, rows, K, w, om, N, n, valid));
     } else if (qtype == Q8_0) {
