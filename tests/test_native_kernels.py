@@ -298,3 +298,48 @@ def test_native_decode_rows_beside_a_prefill_chunk_match_torch() -> None:
     out = backend.forward_qkv(qkv, positions, rotary, cache[0], cache[1], meta)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("length", "context"), [(1, 1), (5, 5), (37, 100), (70, 70)])
+@pytest.mark.parametrize(
+    "shape",
+    [(9, 3, 64), (8, 1, 128), (4, 4, 16), (6, 2, 256)],
+    ids=["smollm2-g3-d64", "g8-d128", "g1-d16", "g3-d256"],
+)
+def test_native_prefill_attention_matches_torch(
+    length: int, context: int, shape: tuple[int, int, int]
+) -> None:
+    """A chunk alone and after a cached prefix (37 queries over 100 keys), over one and
+    several 32-key blocks and 8-row tasks; the value pass's four- and two-vector shapes and
+    its general one."""
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(length + context)
+    q = torch.randn(length, heads, dim, generator=gen)
+    k, v = (torch.randn(context, kv_heads, dim, generator=gen) for _ in range(2))
+    scale = dim**-0.5
+    out = native.prefill_attention(q, k, v, scale)
+    assert out is not None
+    # In float64: query i (position context - length + i) sees keys 0 to its position.
+    group = heads // kv_heads
+    seen = torch.arange(context)[None, :] <= torch.arange(length)[:, None] + context - length
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1),
+        k.double().repeat_interleave(group, 1).transpose(0, 1),
+        v.double().repeat_interleave(group, 1).transpose(0, 1),
+        attn_mask=seen,
+        scale=scale,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # each task computes whole rows: the same bits on any number of threads
+        assert torch.equal(native.prefill_attention(q, k, v, scale), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(10, 2, 40), (9, 1, 64)], ids=["d40", "g9"])
+def test_native_prefill_attention_leaves_other_shapes_to_torch(shape: tuple[int, int, int]) -> None:
+    heads, kv_heads, dim = shape
+    q, k = torch.randn(4, heads, dim), torch.randn(4, kv_heads, dim)
+    assert native.prefill_attention(q, k, k, 0.1) is None

@@ -176,16 +176,24 @@ class TorchAttention(AttentionBackend):
         seg: PrefillSegment,
     ) -> torch.Tensor:
         cached = seg.context_len - seg.length
-        mask = None
         if cached:
             table = seg.block_table[None, :]
             k = gather_context(k_cache, table)[0, : seg.context_len]
             v = gather_context(v_cache, table)[0, : seg.context_len]
-            positions = torch.arange(seg.length, device=q.device)[:, None] + cached
-            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= positions
+        out = native.prefill_attention(q, k, v, self.scale) if native.use_native(q) else None
+        return out if out is not None else self._sdpa_prefill(q, k, v)
+
+    def _sdpa_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """torch's attention of a chunk's queries q [L, H, D] over their context's k, v
+        [T, Hkv, D] (the chunk is the context's last L tokens)."""
+        length, context = q.shape[0], k.shape[0]
+        mask = None
+        if context > length:
+            positions = torch.arange(length, device=q.device)[:, None] + context - length
+            mask = torch.arange(context, device=q.device)[None, :] <= positions
         group = self.num_heads // self.num_kv_heads
         if q.device.type == "cpu" and group > 1:
-            # The CPU's flash kernel takes no grouped K/V (enable_gqa falls back to the math
+            # torch's CPU flash kernel takes no grouped K/V (enable_gqa falls back to the math
             # path: SmolLM2's 256-token prompt 3.2 against 1.7 ms a layer on one Zen 5 thread).
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("blocks.c", "blocks_avx512.c", "decode.c")
+SOURCES = ("blocks.c", "blocks_avx512.c", "decode.c", "prefill.c")
 HEADERS = ("blocks.h",)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 LIBRARY = "libsplitserve_native.so"
@@ -149,3 +149,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32,
     ]
     lib.splitserve_decode_layers.restype = i32
+    # q, k, v, L, T, H, Hkv, D, scale, out
+    lib.splitserve_prefill_attention.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32, i32, f32, ptr]
+    lib.splitserve_prefill_attention.restype = i32

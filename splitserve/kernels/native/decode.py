@@ -1,5 +1,6 @@
 """Python doors to ``decode.c``: RMSNorm (+ residual), SiLU-and-mul, and rotary + K/V write +
-paged attention for decode tokens, on float32 CPU tensors.
+paged attention for decode tokens, on float32 CPU tensors; and to ``prefill.c``: causal
+attention of a prefill chunk.
 
 The torch code each replaces is the reference (``engine/layers/norm.py``, ``activation.py``,
 ``attention.py`` with ``rotary.py``); tests/test_native_kernels.py compares them.
@@ -98,3 +99,22 @@ def decode_attention(
     )  # fmt: skip
     if code != 0:
         raise MemoryError("decode_attention: no scratch memory")
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Causal attention of a chunk's queries q [L, H, D], at positions T - L to T - 1 of their
+    sequence, over its keys and values k, v [T, Hkv, D] -> [L, H, D]; None for a shape the
+    kernel does not take (D not a multiple of 16 or above 256, more than 8 query heads per KV
+    head)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    (length, heads, dim), (context, kv_heads, _) = q.shape, k.shape
+    out = torch.empty_like(q)
+    code = _lib().splitserve_prefill_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), length, context, heads, kv_heads, dim,
+        scale, out.data_ptr(),
+    )  # fmt: skip
+    if code == -2:
+        raise MemoryError("prefill_attention: no scratch memory")
+    return out if code == 0 else None
