@@ -84,17 +84,18 @@ def test_avx512_products_see_the_same_weights_as_avx2_and_portable(qtype: int) -
 
 @pytest.mark.skipif(best_isa() < ISAS.index("avx512"), reason="this CPU has no AVX-512F")
 @pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
-@pytest.mark.parametrize("rows", [2, 8, 13, 32, 130])
+@pytest.mark.parametrize("rows", [2, 8, 13, 32])
 @pytest.mark.parametrize("outputs", [16, 40, 100])
+@pytest.mark.parametrize("inputs", [160, 416])
 def test_the_interleaved_copy_gives_the_product_with_the_dequantized_weight(
-    qtype: int, rows: int, outputs: int
+    qtype: int, rows: int, outputs: int, inputs: int
 ) -> None:
     # 16 outputs: one group padded to a pair; 40: a pair and a partial one; 13 rows: uneven
-    # passes; 32 rows: the dequantized panel for the 4-bit types; 130 rows: for Q8_0 too.
-    blocks, reference = _blocks(qtype, outputs, 160, seed=rows + outputs)
+    # passes; from 8 rows (Q8_0) or 16 the dequantized panel, 416 inputs in three pieces of it.
+    blocks, reference = _blocks(qtype, outputs, inputs, seed=rows + outputs)
     il = interleave(blocks, qtype)
     assert il is not None
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows))
     out = block_matmul(x, blocks, qtype, "avx512", interleaved=il)
     expected = x.double() @ torch.from_numpy(reference).double().T
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
@@ -104,10 +105,10 @@ def test_the_interleaved_copy_gives_the_product_with_the_dequantized_weight(
     first = block_matmul(x[:head].contiguous(), blocks, qtype, "avx512", interleaved=il)
     assert torch.equal(out[:head], first)
     # One-hot rows pick single weights: the interleaved kernel sees gguf's weights bit for bit.
-    inputs = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100, 159, 2, 3, 64, 65])
-    picks = torch.eye(160)[inputs[torch.arange(max(rows, 8)) % len(inputs)]]
-    out = block_matmul(picks, blocks, qtype, "avx512", interleaved=il)
-    assert torch.equal(out, torch.from_numpy(reference)[:, picks.argmax(1)].T)
+    picks = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100, 159, 2, 3, 64, 65, inputs - 1])
+    ones = torch.eye(inputs)[picks[torch.arange(max(rows, 8)) % len(picks)]]
+    out = block_matmul(ones, blocks, qtype, "avx512", interleaved=il)
+    assert torch.equal(out, torch.from_numpy(reference)[:, ones.argmax(1)].T)
 
 
 def test_no_interleaved_copy_below_avx512() -> None:

@@ -108,8 +108,17 @@ def prefill_attention(
     sequence, over its keys and values k, v [T, Hkv, D] -> [L, H, D]; None for a shape the
     kernel does not take (D not a multiple of 16 or above 256, more than 8 query heads per KV
     head)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     (length, heads, dim), (context, kv_heads, _) = q.shape, k.shape
+    if not (
+        dim % 16 == 0
+        and dim <= 256
+        and heads % kv_heads == 0
+        and heads // kv_heads <= 8
+        and k.shape == v.shape == (context, kv_heads, dim)
+        and q.dtype == k.dtype == v.dtype == torch.float32
+    ):
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     code = _lib().splitserve_prefill_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), length, context, heads, kv_heads, dim,

@@ -67,14 +67,17 @@ INLINE v16 exp16(v16 x) {
 #define QV 8    /* query vectors per score pass */
 #define ROWS 8  /* query rows per task */
 
-/* KT of KV head g: block b holds keys [32 b, 32 b + 32) as D rows of 32 (zeros past T). */
-static void transpose_keys(const float *k, int64_t T, int Hkv, int D, int g, float *kt) {
-    for (int64_t t0 = 0; t0 < T; t0 += KB) {
-        float *blk = kt + t0 * D;
-        for (int t = 0; t < KB; t++) {
-            const float *row = k + ((t0 + t) * Hkv + g) * D;
-            for (int d = 0; d < D; d++) blk[d * KB + t] = t0 + t < T ? row[d] : 0.0f;
+/* Block b of KV head g's KT: keys [32 b, 32 b + 32) as D rows of 32 (zeros past T). */
+static void transpose_block(const float *k, int64_t T, int Hkv, int D, int g, int64_t b,
+                            float *blk) {
+    for (int t = 0; t < KB; t++) {
+        int64_t key = b * KB + t;
+        if (key >= T) {
+            for (int d = 0; d < D; d++) blk[d * KB + t] = 0.0f;
+            continue;
         }
+        const float *row = k + (key * Hkv + g) * D;
+        for (int d = 0; d < D; d++) blk[d * KB + t] = row[d];
     }
 }
 
@@ -227,7 +230,8 @@ int splitserve_prefill_attention(const float *q, const float *k, const float *v,
     float *kt = malloc(sizeof(float) * (size_t)(Hkv * blocks * KB) * (size_t)D);
     if (!kt) return -2;
 #pragma omp parallel for schedule(static)
-    for (int g = 0; g < Hkv; g++) transpose_keys(k, T, Hkv, D, g, kt + g * blocks * KB * D);
+    for (int64_t i = 0; i < Hkv * blocks; i++)
+        transpose_block(k, T, Hkv, D, (int)(i / blocks), i % blocks, kt + i * KB * D);
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
