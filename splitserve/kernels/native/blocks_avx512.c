@@ -143,6 +143,12 @@ INLINE __m512i il_load(int qtype, const uint8_t *blk, int j) {
                          : _mm512_cvtepu8_epi32(_mm_loadu_si128(at));
 }
 
+/* The 16 outputs' d (and m for Q4_1; d again otherwise) of a group's block. */
+INLINE void il_scales(int qtype, const uint8_t *blk, __m512 *d, __m512 *m) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    *m = qtype == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : *d;
+}
+
 /* Weight j (high = 0) or j + 16 (high = 1) of the 16 outputs from il_load's q (for Q8_0, q of
  * j or j + 16 itself). */
 INLINE __m512 il_weight(int qtype, __m512i q, int high, __m512 d, __m512 m) {
@@ -183,13 +189,9 @@ INLINE void il_pass(int qtype, const float *x, const int MT, int64_t K, const ui
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *b0 = il + b * gbytes, *b1 = b0 + nb * gbytes;
         prefetch_pair_block(next, nb, b, gbytes);
-        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));
-        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));
-        __m512 m0 = d0, m1 = d1;
-        if (qtype == Q4_1) {
-            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b0 + 32)));
-            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b1 + 32)));
-        }
+        __m512 d0, m0, d1, m1;
+        il_scales(qtype, b0, &d0, &m0);
+        il_scales(qtype, b1, &d1, &m1);
         const float *xb = x + b * QK;
         for (int j = 0; j < 16; j++) {
             __m512i q0 = il_load(qtype, b0, j), q1 = il_load(qtype, b1, j);
@@ -249,13 +251,9 @@ INLINE void panel_dequantize(int qtype, const uint8_t *il, int64_t stride, int64
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *b0 = il + b * gbytes, *b1 = b0 + stride * gbytes;
         prefetch_pair_block(next, stride, b, gbytes);
-        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));
-        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));
-        __m512 m0 = d0, m1 = d1;
-        if (qtype == Q4_1) {
-            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b0 + 32)));
-            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b1 + 32)));
-        }
+        __m512 d0, m0, d1, m1;
+        il_scales(qtype, b0, &d0, &m0);
+        il_scales(qtype, b1, &d1, &m1);
         float *pb = panel + b * QK * 32;
         for (int j = 0; j < 16; j++) {
             for (int high = 0; high < 2; high++) {

@@ -24,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("blocks.c", "blocks_avx512.c", "decode.c", "prefill.c")
-HEADERS = ("blocks.h",)
+HEADERS = ("blocks.h", "vec16.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 LIBRARY = "libsplitserve_native.so"
 

@@ -13,7 +13,7 @@
  *   values  per key, its V row added into the outputs of 4 query vectors at a time (D = 64; 2
  *           at D = 128).
  * The output is divided by the sum last. The arithmetic is torch's up to summation order and
- * the exponential (Cephes' polynomial, within 2 ulp of expf), so results agree to float32
+ * the exponential (vec16.h's exp16), so results agree to float32
  * rounding, not bits (tests/test_native_kernels.py compares them).
  */
 #include <math.h>
@@ -28,40 +28,10 @@
 #pragma GCC optimize("fp-contract=fast") /* the library is built without contraction */
 #endif
 
+#include "vec16.h"
+
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #define INLINE static inline __attribute__((always_inline))
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* e^x for x <= 0 in 16 lanes, as decode.c's exp16. */
-INLINE v16 exp16(v16 x) {
-    const v16 lo = (v16){0} - 87.3f;
-    vi16 below = x < lo;
-    x = (v16)(((vi16)x & ~below) | ((vi16)lo & below));
-    vi16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi16);
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    vi16 scale = (n + 127) << 23;
-    v16 two_n;
-    memcpy(&two_n, &scale, sizeof two_n);
-    return p * two_n;
-}
 
 #define KB 32   /* keys per transposed block */
 #define QV 8    /* query vectors per score pass */
