@@ -167,6 +167,23 @@ INLINE void il_fma(const float *xb, int64_t K, const int MT, __m512 w0, __m512 w
     }
 }
 
+/* The lanes of out's columns [n + 16 half, n + 16 half + 16) that are among the pair's valid
+ * outputs. */
+INLINE __mmask16 il_mask(int64_t valid, int half) {
+    int64_t lanes = valid - 16 * half;
+    return lanes >= 16 ? 0xffff : lanes <= 0 ? 0 : (__mmask16)((1u << lanes) - 1);
+}
+
+/* Rows [0, MT) of the sums into out (row stride N) columns [n, n + valid). */
+INLINE void il_store(__m512 acc[][2], const int MT, float *out, int64_t N, int64_t n,
+                     int64_t valid) {
+    __mmask16 k0 = il_mask(valid, 0), k1 = il_mask(valid, 1);
+    for (int r = 0; r < MT; r++) {
+        _mm512_mask_storeu_ps(out + r * N + n, k0, acc[r][0]);
+        _mm512_mask_storeu_ps(out + r * N + n + 16, k1, acc[r][1]);
+    }
+}
+
 /* Asks for block b of both groups of the pair at next (NULL: nothing), nb blocks a group.
  * A thread's pairs follow each other (static schedule), so this is its next pair: streaming
  * the copy from memory, the hardware prefetchers alone left the 2-row product at 151 us against
@@ -202,12 +219,7 @@ INLINE void il_pass(int qtype, const float *x, const int MT, int64_t K, const ui
                    il_weight(qtype, q1, 1, d1, m1), acc);
         }
     }
-    __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
-    __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
-    for (int r = 0; r < MT; r++) {
-        _mm512_mask_storeu_ps(out + r * N + n, k0, acc[r][0]);
-        _mm512_mask_storeu_ps(out + r * N + n + 16, k1, acc[r][1]);
-    }
+    il_store(acc, MT, out, N, n, valid);
 }
 
 #define IL_CASE(Q, R) \
@@ -227,12 +239,11 @@ INTERLEAVED(Q4_1) /* Q8_0 always takes the panel below */
 /* ---- Many rows: a dequantized panel ----
  * From panel_from() rows the pair's 32 outputs are dequantized once per step into a float32
  * panel (in each block the inputs in the chain order 0, 16, 1, 17, ...), and every pass of up
- * to PANEL_MT rows only loads two weight vectors per input and runs its FMAs: dequantizing per
+ * to IL_MT rows only loads two weight vectors per input and runs its FMAs: dequantizing per
  * pass cost about a third of the interleaved passes above. The panel covers PANEL_KC inputs at
  * a time, so that it and the rows' x stay in the L1 cache; between pieces each pass stores its
  * sums to out and loads them back, which changes no bit. The products and their order are those
  * of il_pass, so the sums are bit-identical to it at any row count. */
-#define PANEL_MT 8
 #define PANEL_KC 192
 
 /* Rows from which a pair takes the panel: the 4-bit types' passes above are as fast up to 12
@@ -281,9 +292,8 @@ PANEL_DEQUANTIZE(Q8_0)
 INLINE void panel_pass(const float *x, const int MT, int64_t K, int64_t blocks,
                        const float *panel, float *out, int64_t N, int64_t n, int64_t valid,
                        int first) {
-    __m512 acc[PANEL_MT][2];
-    __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
-    __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    __m512 acc[IL_MT][2];
+    __mmask16 k0 = il_mask(valid, 0), k1 = il_mask(valid, 1);
     for (int r = 0; r < MT; r++) {
         acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k0, out + r * N + n);
         acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k1, out + r * N + n + 16);
@@ -297,10 +307,7 @@ INLINE void panel_pass(const float *x, const int MT, int64_t K, int64_t blocks,
                    _mm512_load_ps(pb + 64 * j + 48), acc);
         }
     }
-    for (int r = 0; r < MT; r++) {
-        _mm512_mask_storeu_ps(out + r * N + n, k0, acc[r][0]);
-        _mm512_mask_storeu_ps(out + r * N + n + 16, k1, acc[r][1]);
-    }
+    il_store(acc, MT, out, N, n, valid);
 }
 
 #define PANEL_CASE(R) \
@@ -311,7 +318,7 @@ AVX512 static void panel_rows(const float *x, int64_t rows, int64_t K, int64_t b
     switch (rows) {
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
         PANEL_CASE(7) PANEL_CASE(8)
-        default: break; /* rows <= PANEL_MT */
+        default: break; /* rows <= IL_MT */
     }
 }
 
@@ -342,7 +349,7 @@ void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t
                 panel_dequantize_Q8_0(at, nb, blocks, panel, ahead);
             else
                 panel_dequantize_Q4_0(at, nb, blocks, panel, ahead);
-            PASSES(PANEL_MT,
+            PASSES(IL_MT,
                    panel_rows(xm + b0 * QK, rows, K, blocks, panel, om, N, n, valid, b0 == 0));
         }
     } else if (qtype == Q4_1) {

@@ -105,17 +105,14 @@ def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor | None:
     """Causal attention of a chunk's queries q [L, H, D], at positions T - L to T - 1 of their
-    sequence, over its keys and values k, v [T, Hkv, D] -> [L, H, D]; None for a shape the
-    kernel does not take (D not a multiple of 16 or above 256, more than 8 query heads per KV
-    head)."""
+    sequence, over its keys and values k, v [T, Hkv, D] -> [L, H, D]; None where the tensors
+    are not float32 of these shapes, or for a shape prefill.c does not take (D not a multiple
+    of 16 or above 256, more than 8 query heads per KV head)."""
     (length, heads, dim), (context, kv_heads, _) = q.shape, k.shape
-    if not (
-        dim % 16 == 0
-        and dim <= 256
-        and heads % kv_heads == 0
-        and heads // kv_heads <= 8
-        and k.shape == v.shape == (context, kv_heads, dim)
-        and q.dtype == k.dtype == v.dtype == torch.float32
+    if (
+        k.shape != v.shape
+        or k.shape[2] != dim
+        or not q.dtype == k.dtype == v.dtype == torch.float32
     ):
         return None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
