@@ -48,6 +48,8 @@ class RequestGroup:
         index, item = await self.queue.get()
         if isinstance(item, msg.RequestError):
             raise EngineRequestError(item.message, item.status)
+        if item.finish_reason == "error":  # the engine ended it, its stop_reason says why
+            raise EngineRequestError(str(item.stop_reason), 400)
         if item.finish_reason is not None:
             self._open -= 1
         return index, item
