@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from splitserve.services.api.auth import bearer_matches, check_api_key
 from splitserve.services.api.errors import APIError
+from splitserve.services.api.json_body import CheckedRoute
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -60,7 +61,7 @@ def check_admin(request: Request) -> None:
     check_api_key(request)
 
 
-router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], route_class=CheckedRoute)
 
 
 class ScaleBody(BaseModel):

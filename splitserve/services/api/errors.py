@@ -6,6 +6,7 @@ server keeps serving.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -17,6 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("splitserve.api")
+request_log = logging.getLogger("splitserve.requests")
+MAX_LOGGED_CHARS = 300
+"""Of a refused request's error message, what its log line keeps."""
 
 
 class APIError(Exception):
@@ -58,22 +62,36 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return refusal(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_from_validation(exc))
+        return refusal(request, _from_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "body_too_large" if isinstance(exc, BodyTooLarge) else None
-        return error_response(APIError(exc.status_code, str(exc.detail), kind, code=code))
+        return refusal(request, APIError(exc.status_code, str(exc.detail), kind, code=code))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(APIError(500, "internal server error", "server_error"))
+
+
+def refusal(request: Request, exc: APIError) -> JSONResponse:
+    """The error's response, and one line on the request log for each refused request (4xx;
+    the message cut to MAX_LOGGED_CHARS, whatever the request held)."""
+    if 400 <= exc.status < 500:
+        line = {
+            "path": request.url.path,
+            "status": exc.status,
+            "code": exc.code,
+            "message": exc.message[:MAX_LOGGED_CHARS],
+        }
+        request_log.info(json.dumps({"refused": line}))
+    return error_response(exc)
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:

@@ -18,7 +18,7 @@ from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsP
 from splitserve.engine.vision.config import VisionConfig
 from splitserve.router.router import NoWorkerError
 from splitserve.services.api.constraints import ConstraintCheck
-from splitserve.services.api.errors import APIError, error_body
+from splitserve.services.api.errors import MAX_LOGGED_CHARS, APIError, error_body, logger
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.protocol import SamplingFields
@@ -287,14 +287,30 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+async def ended(content: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """The events of a stream, encoded here, then ``[DONE]``: whatever fails on the way (a
+    worker's error, the output's handling, an event that does not encode) ends the stream
+    with an error event first, logged in one line."""
+    try:
+        async for event in content:
+            yield event.encode()
+    except EngineRequestError as exc:
+        yield sse_error(exc).encode()
+    except Exception as exc:  # the stream must still end with an error event and [DONE]
+        logger.error("a stream failed: %s", repr(exc)[:MAX_LOGGED_CHARS])
+        yield sse(error_body("internal server error", "server_error", None, None)).encode()
+    yield SSE_DONE.encode()
+
+
 class GroupStream(StreamingResponse):
-    """The SSE response of a request group, which it closes however the response ends.
+    """The SSE response of a request group (``ended``), which it closes however the
+    response ends.
 
     NOTE: the stream's own ``finally`` is not enough: an async generator that never started
     (the client left before the first byte) runs none of its code when it is dropped."""
 
     def __init__(self, group: RequestGroup, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        super().__init__(ended(content), media_type="text/event-stream", headers=SSE_HEADERS)
         self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
