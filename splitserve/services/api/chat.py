@@ -72,7 +72,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt, prompt_images = with_images(state, prompt, images)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
     traffic = sv.traffic_class(state, request)
-    group = await sv.submit(state, [prompt], [params], body.n, traffic, prompt_images)
+    group = await sv.submit(state, request, [prompt], [params], body.n, traffic, prompt_images)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         stream = _stream(state, body, tools, group, response_id, len(prompt))

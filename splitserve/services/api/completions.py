@@ -74,7 +74,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         for p in prompts
     ]
     echoes = await asyncio.to_thread(_echo_texts, state, body, prompts)
-    group = await sv.submit(state, prompts, params, body.n, sv.traffic_class(state, request))
+    traffic = sv.traffic_class(state, request)
+    group = await sv.submit(state, request, prompts, params, body.n, traffic)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         return sv.GroupStream(group, _stream(state, body, group, response_id, prompts, echoes))

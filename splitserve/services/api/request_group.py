@@ -38,6 +38,8 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, msg.TokenDelta | msg.RequestError]] = asyncio.Queue()
         self._abort = abort
         self._open = len(request_ids)
+        self.on_close: Callable[[], None] | None = None
+        """Called once, at the first ``close``."""
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -56,3 +58,6 @@ class RequestGroup:
 
     def close(self) -> None:
         self._abort(self.request_ids)
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
