@@ -499,11 +499,11 @@ BAD = [
         "structured_outputs",
         f"the regex took longer than {COMPILE_BOUND_S} s to compile",
     ),
-    (
+    (  # refused with the body, before the constraint's check (json_body.MAX_DEPTH)
         "nested_too_deeply",
         {"structured_outputs": {"json": NESTED}},
-        "structured_outputs",
-        "nested too deeply",
+        "structured_outputs.json" + ".properties.a" * 31,
+        "nested deeper than 64 levels",
     ),
     (
         "two_kinds",
