@@ -82,8 +82,12 @@ def private_uses(tree: ast.Module, foreign: dict[str, str]) -> Iterator[tuple[in
 
 
 def module_name(path: Path, root: Path) -> str:
-    """``root/a/b.py`` -> ``root.a.b``; ``root/a/__init__.py`` -> ``root.a``."""
-    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    """``root/a/b.py`` -> ``root.a.b``; ``root/a/__init__.py`` -> ``root.a``; a root inside
+    packages (``splitserve/engine``) is named from the outermost one (``splitserve.engine``)."""
+    top = root.resolve()
+    while (top.parent / "__init__.py").exists():
+        top = top.parent
+    parts = [*path.resolve().relative_to(top.parent).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 

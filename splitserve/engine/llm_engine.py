@@ -38,7 +38,7 @@ from splitserve.kvstore.hashing import hash_root
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from splitserve.engine.expert_parallel import GroupMember
+    from splitserve.engine.layers.expert_placement import GroupMember
     from splitserve.engine.structured.grammar import GrammarCompiler
     from splitserve.engine.structured.matcher import RequestGrammar
 
