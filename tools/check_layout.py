@@ -14,9 +14,9 @@ Dunder names (``__version__``) and ``from __future__`` are not private.
 And across the modules under a root (``root/a/b.py`` is the module ``root.a.b``): no import
 cycle. Every import of another checked module is an edge: at module level, under
 ``if TYPE_CHECKING:`` (a type-only cycle still ties the modules together), and inside a
-function. The one exception is a deliberate lazy import, a function-level import whose line
-ends with ``# lazy: <why>`` (to keep an optional backend such as Triton optional): it is not
-an edge. Each cycle is reported once, at the import that closes it, with the whole circle.
+function. The one exception is a deliberate lazy import: a function-level import with a
+``# lazy: <why>`` comment on one of its lines (to keep an optional backend such as Triton
+optional) is not an edge. Each cycle is reported once, at the import that closes it, with the whole circle.
 
 Prints one ``path:line: message`` per violation and exits 1 if there is any, else 0.
 Usage: python tools/check_layout.py [root ...]
@@ -103,7 +103,7 @@ def imported_modules(
         if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
         for node in ast.walk(function)
         if isinstance(node, ast.Import | ast.ImportFrom)
-        and LAZY_MARK in lines[(node.end_lineno or node.lineno) - 1]
+        and any(LAZY_MARK in line for line in lines[node.lineno - 1 : node.end_lineno])
     }
     for node in ast.walk(tree):
         if id(node) in deliberate:

@@ -12,7 +12,8 @@ from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
-from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from splitserve.engine.layers.attention_backends import make_backend
 from splitserve.engine.layers.bf16_linear import to_bf16_layers
 from splitserve.engine.layers.block_linear import interleave_blocks, to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
