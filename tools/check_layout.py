@@ -16,7 +16,8 @@ cycle. Every import of another checked module is an edge: at module level, under
 ``if TYPE_CHECKING:`` (a type-only cycle still ties the modules together), and inside a
 function. The one exception is a deliberate lazy import: a function-level import with a
 ``# lazy: <why>`` comment on one of its lines (to keep an optional backend such as Triton
-optional) is not an edge. Each cycle is reported once, at the import that closes it, with the whole circle.
+optional) is not an edge. Each knot of modules is reported once, at the import that closes
+its shortest circle.
 
 Prints one ``path:line: message`` per violation and exits 1 if there is any, else 0.
 Usage: python tools/check_layout.py [root ...]
