@@ -7,6 +7,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from splitserve.engine.block_cache import BlockCache, CacheEvents
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
@@ -23,7 +24,7 @@ from splitserve.engine.loader import (
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batch
 from splitserve.engine.phases import PhaseTimer
-from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
+from splitserve.engine.prefix_cache import PrefixCache
 from splitserve.engine.request import Request, RequestOutput
 from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
