@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from splitserve.engine.admission import check_prompt, context_length
 from splitserve.engine.block_cache import BlockCache, CacheEvents
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
@@ -66,7 +68,7 @@ class LLMEngine:
         self.image_token_id = vision.image_token_id if vision is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(self.tokenizer)
-        self.max_model_len = _max_model_len(
+        self.max_model_len = context_length(
             config, self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
         weights = None if is_random_shape(path) else path
@@ -92,7 +94,7 @@ class LLMEngine:
             self.spec.max_rows = native.max_rows - 1
         self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.eplb = live_rebalancer(self.runner.model, config.eplb)
-        self.handoff = KVHandoff(self)
+        self.handoff = KVHandoff(self.block_manager, self.runner)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens_computed = 0
@@ -150,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        vocab, blocks = self.model_config.vocab_size, self.block_manager
+        check_prompt(token_ids, params, vocab, self.max_model_len, blocks)
         images = sorted(images or [], key=lambda i: i.span.offset)
         check_images(token_ids, images, self.image_token_id, self.model_config.hidden_size)
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
@@ -182,21 +185,6 @@ class LLMEngine:
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.detokenizers[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, req)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        total = len(token_ids) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the context length of {self.max_model_len} tokens"
-            )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError("the request needs more KV blocks than this worker has")
 
     def admit_prefilled(self, req: Request, first: SampleResult) -> RequestOutput:
         """Decode here a request whose prompt KV is already in its committed blocks and whose
@@ -254,32 +242,39 @@ class LLMEngine:
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)
         results = (
-            None if spec is not None else self.sampler(logits, [batch.requests[i] for i in sampled])
+            [] if spec is not None else self.sampler(logits, [batch.requests[i] for i in sampled])
         )
         phases.lap("forward")
         self._advance(batch)
-        if spec is not None:  # draft positions are sampled one by one: engine/spec/
-            outputs = spec.verify(self, batch, logits, sampled)
-        else:
-            assert results is not None
-            outputs = self._outputs(batch, sampled, results)
+        drawn = (
+            spec.verify(batch, sampled, logits, self.sampler, self.block_manager)
+            if spec is not None  # draft positions are sampled one by one: engine/spec/
+            else [(i, result, False) for i, result in enumerate(results)]
+        )
+        outputs = self._outputs(batch, sampled, drawn)
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
         phases.lap("outputs")
         return outputs
 
     def _outputs(
-        self, batch: ScheduledBatch, sampled: list[int], results: list[SampleResult]
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        drawn: Iterable[tuple[int, SampleResult, bool]],
     ) -> list[RequestOutput]:
-        outputs = []
-        for i, result in zip(sampled, results):
-            req = batch.requests[i]
+        """Append each token drawn: (its request's index in ``sampled``, the token, whether
+        it matched the request's draft, in which case the request draws its next position)."""
+        outputs: dict[int, RequestOutput] = {}
+        for i, result, matched in drawn:
+            req = batch.requests[sampled[i]]
             if req.prefill_only:
-                outputs.append(self.hand_over(req, result))
+                outputs[i] = self.hand_over(req, result)
                 continue
             self.append_token(req, result)
-            outputs.append(self.output(req))
-        return outputs
+            if not matched or req.is_finished:
+                outputs[i] = self.output(req)
+        return [outputs[i] for i in sorted(outputs)]
 
     def _overlap(self, batch: ScheduledBatch, inflight: InflightStep | None) -> list[RequestOutput]:
         """Launch a decode step, then read the step launched before it. With grammars in the
@@ -393,9 +388,6 @@ class LLMEngine:
         return output
 
     def stats(self) -> EngineStats:
-        return engine_stats(self)
-
-
-def _max_model_len(config: EngineConfig, max_positions: int, window: int | None) -> int:
-    limit = min(max_positions, window) if window else max_positions
-    return min(config.max_model_len, limit) if config.max_model_len else limit
+        counters = self.spec.counters if self.spec is not None else None
+        tokens = self.prompt_tokens_computed, self.generation_tokens
+        return engine_stats(self.scheduler, self.block_manager, *tokens, counters)

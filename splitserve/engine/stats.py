@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec.speculator import SpecCounters
 
 
 @dataclass
@@ -33,27 +33,32 @@ class EngineStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def engine_stats(engine: LLMEngine) -> EngineStats:
-    scheduler, blocks = engine.scheduler, engine.block_manager
+def engine_stats(
+    scheduler: Scheduler,
+    blocks: BlockManager,
+    prompt_tokens_computed: int,
+    generation_tokens: int,
+    spec: SpecCounters | None,
+) -> EngineStats:
+    """The statistics of an engine with this scheduler and block manager, its token counts,
+    and its speculator's counters (None: speculation off)."""
     free, total = blocks.num_free_blocks, blocks.num_blocks
-    stats = EngineStats(
+    spec = spec or SpecCounters()
+    return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_free_blocks=free,
         num_total_blocks=total,
         kv_usage=1.0 - free / total,
-        prompt_tokens_computed=engine.prompt_tokens_computed,
+        prompt_tokens_computed=prompt_tokens_computed,
         prompt_tokens_cached=scheduler.prompt_tokens_cached,
-        generation_tokens=engine.generation_tokens,
+        generation_tokens=generation_tokens,
         num_preemptions=scheduler.num_preemptions,
         prompt_tokens_queried=scheduler.prompt_tokens_queried,
         cached_tokens_by_tier=dict(scheduler.cached_tokens_by_tier),
         queued_prompt_tokens=scheduler.queued_prompt_tokens(),
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_accepted_per_pos=list(spec.accepted_per_pos),
     )
-    if engine.spec is not None:
-        counters = engine.spec.counters
-        stats.spec_num_drafts = counters.num_drafts
-        stats.spec_num_draft_tokens = counters.num_draft_tokens
-        stats.spec_num_accepted_tokens = counters.num_accepted_tokens
-        stats.spec_accepted_per_pos = list(counters.accepted_per_pos)
-    return stats
