@@ -21,6 +21,7 @@ class Message:
     role: str
     content: str
 
+
 _WORD_LIST = """time year people way day man thing woman life child world school state family
     student group country problem hand part place case week company system program question work
     government number night point home water room mother area money story fact month lot right
