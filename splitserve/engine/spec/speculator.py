@@ -34,6 +34,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SampleResult, greedy_tokens, plain_greedy
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.spec.config import SpeculativeConfig
+from splitserve.engine.spec.draft_model import DraftModelDrafter
 from splitserve.engine.spec.drafter import Drafter
 from splitserve.engine.spec.dynamic import Acceptance, StepCost, plan_drafts
 from splitserve.engine.spec.ngram import NgramDrafter
@@ -232,7 +233,5 @@ def build_speculator(
     if spec.method == "ngram":
         drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        from splitserve.engine.spec.draft_model import DraftModelDrafter
-
         drafter = DraftModelDrafter(config, vocab_size, max_model_len)
     return Speculator(spec, drafter, max_model_len)
