@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MASK_WAIT_S = 0.005
+"""The longest an idle step waits for a mask being filled ahead."""
+
 
 class LLMEngine:
     """block_store / cache_events: optional links of the device prefix cache to a slower
@@ -167,7 +170,7 @@ class LLMEngine:
         ValueError, if it cannot be used). xgrammar loads with the first constraint."""
         from splitserve.engine.structured.matcher import RequestGrammar
 
-        return RequestGrammar(self.compile_grammar(spec))
+        return RequestGrammar(self.compile_grammar(spec), self.config.grammar_budget_s)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The constraint compiled against this engine's vocabulary, into the cache that
@@ -232,6 +235,7 @@ class LLMEngine:
         if batch.is_empty:
             if spec is not None:
                 spec.idle()
+            self._wait_for_masks()
             return []
         self.num_steps += 1
         self.expert_load.mark_step()
@@ -351,7 +355,9 @@ class LLMEngine:
         past_min = req.num_output_tokens > params.min_tokens
         stop_string = detok.add(token, check_stop=past_min or not params.min_tokens)
         grammar_done = req.grammar is not None and self._advance_grammar(req, token)
-        if grammar_done or (token in self.eos_token_ids and not params.ignore_eos):
+        if req.grammar is not None and req.grammar.over_budget:
+            req.finish("error", req.grammar.budget_message())
+        elif grammar_done or (token in self.eos_token_ids and not params.ignore_eos):
             req.finish("stop")
         elif token in params.stop_token_ids:
             req.finish("stop", token)
@@ -368,6 +374,16 @@ class LLMEngine:
             self.scheduler.finish(req)
             if self.spec is not None:
                 self.spec.release(req)
+        elif req.grammar is not None:
+            req.grammar.fill_ahead()
+
+    def _wait_for_masks(self) -> None:
+        """Nothing could be scheduled: wait a moment for a grammar's mask being filled ahead
+        rather than spin (engine/structured/matcher.py)."""
+        if any(r.grammar is not None for r in self.scheduler.running):
+            from splitserve.engine.structured.matcher import wait_ahead
+
+            wait_ahead([r.grammar for r in self.scheduler.running], MASK_WAIT_S)
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
         """Feed the token to the request's matcher; True once nothing more may follow (done,

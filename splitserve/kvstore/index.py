@@ -74,6 +74,12 @@ class PrefixIndex(ABC):
     def epoch(self) -> int:
         """Changes whenever the index may have lost entries; writers then rebuild."""
 
+    @property
+    def malformed_entries(self) -> int:
+        """Entries found malformed and skipped by lookups since this index was made (a shared
+        backend others can write to); 0 for a backend that cannot hold any."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections."""
 

@@ -105,6 +105,11 @@ class Metrics:
             "prefix_lookup_timeouts",
             "Requests routed by load alone: the prefix index did not answer in time",
         )
+        self.prefix_index_malformed = counter(
+            "prefix_index_malformed",
+            "Malformed prefix index entries that lookups skipped (a value that is not a time, "
+            "a key that is not a hash)",
+        )
         self.router_decisions = Counter(
             "splitserve:router_decisions",
             "Routing decisions, by policy and stage (prefill, decode)",
