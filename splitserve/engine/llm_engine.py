@@ -4,7 +4,6 @@ sockets here; workers wrap this class and the offline ``LLM`` drives it."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsP
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.spec.speculator import build_speculator
 from splitserve.engine.stats import EngineStats, engine_stats
+from splitserve.engine.structured.constraints import Constraints
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images
 from splitserve.kvstore.hashing import hash_root
@@ -42,13 +42,8 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
     from splitserve.engine.layers.expert_placement import GroupMember
-    from splitserve.engine.structured.grammar import GrammarCompiler
-    from splitserve.engine.structured.matcher import RequestGrammar
 
 log = logging.getLogger(__name__)
-
-MASK_WAIT_S = 0.005
-"""The longest an idle step waits for a mask being filled ahead."""
 
 
 class LLMEngine:
@@ -103,9 +98,8 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self._inflight: InflightStep | None = None
-        self.grammar_compiler: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
-        """Compiles structured-output constraints against the vocabulary (on first use)."""
+        eos, budget = self.eos_token_ids, config.grammar_budget_s
+        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size, eos, budget)
         self.num_overlapped_steps = 0
         self.num_steps = 0
         self.phases = PhaseTimer()
@@ -161,29 +155,13 @@ class LLMEngine:
         check_images(token_ids, images, self.image_token_id, self.model_config.hidden_size)
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
-            req.grammar = self._grammar(params.structured_outputs)
+            req.grammar = self.constraints.matcher(params.structured_outputs)
         resume(req, resumed, self.model_config.vocab_size, resumed_chars)
         return req
 
-    def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher of the constraint, compiled once per content (GrammarError, a
-        ValueError, if it cannot be used). xgrammar loads with the first constraint."""
-        from splitserve.engine.structured.matcher import RequestGrammar
-
-        return RequestGrammar(self.compile_grammar(spec), self.config.grammar_budget_s)
-
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The constraint compiled against this engine's vocabulary, into the cache that
-        ``add_request`` reads (GrammarError if it cannot be used). Thread-safe: a worker
-        compiles on a thread of its own before it adds the request."""
-        from splitserve.engine.structured.grammar import GrammarCompiler
-
-        with self._grammar_lock:
-            if self.grammar_compiler is None:
-                vocab = self.model_config.vocab_size
-                eos = list(self.eos_token_ids)
-                self.grammar_compiler = GrammarCompiler(self.tokenizer, vocab, eos)
-        return self.grammar_compiler.compile(spec)
+        """The constraint compiled against this engine's vocabulary (structured/constraints.py)."""
+        return self.constraints.compile(spec)
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -235,7 +213,7 @@ class LLMEngine:
         if batch.is_empty:
             if spec is not None:
                 spec.idle()
-            self._wait_for_masks()
+            self.constraints.wait_for_masks(self.scheduler.running)
             return []
         self.num_steps += 1
         self.expert_load.mark_step()
@@ -354,7 +332,7 @@ class LLMEngine:
         detok = self.detokenizers[req.request_id]
         past_min = req.num_output_tokens > params.min_tokens
         stop_string = detok.add(token, check_stop=past_min or not params.min_tokens)
-        grammar_done = req.grammar is not None and self._advance_grammar(req, token)
+        grammar_done = req.grammar is not None and self.constraints.advance(req, token)
         if req.grammar is not None and req.grammar.over_budget:
             req.finish("error", req.grammar.budget_message())
         elif grammar_done or (token in self.eos_token_ids and not params.ignore_eos):
@@ -376,23 +354,6 @@ class LLMEngine:
                 self.spec.release(req)
         elif req.grammar is not None:
             req.grammar.fill_ahead()
-
-    def _wait_for_masks(self) -> None:
-        """Nothing could be scheduled: wait a moment for a grammar's mask being filled ahead
-        rather than spin (engine/structured/matcher.py)."""
-        if any(r.grammar is not None for r in self.scheduler.running):
-            from splitserve.engine.structured.matcher import wait_ahead
-
-            wait_ahead([r.grammar for r in self.scheduler.running], MASK_WAIT_S)
-
-    def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Feed the token to the request's matcher; True once nothing more may follow (done,
-        or a token it refuses, logged: one sampled elsewhere without the constraint)."""
-        assert req.grammar is not None
-        if not req.grammar.accept(token):
-            log.error("request %s: token %d breaks its constraint", req.request_id, token)
-            return True
-        return req.grammar.is_terminated
 
     def output(self, req: Request) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
