@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.served_process import Server
+from benchmarks.served.process import Server
 from splitserve.bench.report import header
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.served_process import Server, describe, phase_table, phase_totals
+from benchmarks.served.process import Server, describe, phase_table, phase_totals
 from splitserve.bench.report import header
 
 MIXES = {"1024/128": (1024, 128), "4096/256": (4096, 256), "256/1024": (256, 1024)}

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 900.0
 PHASE_METRIC = "splitserve:worker_loop_seconds_total"
 STEPS_METRIC = "splitserve:worker_loop_steps_total"
