@@ -119,7 +119,7 @@ def _plan(
         "--dataset", "shared-prefix", "--shared-prefix-num-prefixes", str(s.host_prefixes),
         "--shared-prefix-users", "2", "--shared-prefix-system-len", str(s.system_len),
         "--shared-prefix-question-len", str(s.question_len),
-        "--output-len", str(s.host_output_len),
+        "--output-len", str(s.host_output_len), "--seed", "0",
     ]  # fmt: skip
     inf, cap = float("inf"), ["--max-concurrency", str(s.conversations)]
     both = [
@@ -141,7 +141,7 @@ def _plan(
     return [
         ("on", _sets([*model, f"{engine}.enable_prefix_caching=true"]), both),
         ("off", _sets([*model, f"{engine}.enable_prefix_caching=false"]), both),
-        ("host", _sets(host_sets), [("host-tier", [*host, "--seed", "0"], args.rate, 2 * s.host_prefixes)]),
+        ("host", _sets(host_sets), [("host-tier", host, args.rate, 2 * s.host_prefixes)]),
     ]
 
 
