@@ -9,7 +9,6 @@ source "$(dirname "$0")/../gpu_env.sh"
 mkdir -p /tmp/site && tar xJf .gpu-bundle/site.txz -C /tmp/site
 export PYTHONPATH="/tmp/site:$PYTHONPATH" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-mkdir -p /tmp/kv-runs
-"$PY" -m benchmarks.served.kv_cache --out /tmp/kv-runs "$@" 2>&1 | tee "$OUT/run.log" || status=1
-cp /tmp/kv-runs/kv-cache.json "$OUT/" && tar czf "$OUT/runs.tgz" -C /tmp/kv-runs .
+"$PY" -m benchmarks.served.kv_cache --out "$OUT" "$@" 2>&1 | tee "$OUT/run.log" || status=1
+tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -r "$OUT/runs"
 exit $status

@@ -12,7 +12,8 @@ driven by `splitserve bench serve` (the shape's own tokenizer), in one run:
   compared with the first users' (computed) in the same run.
 
 Prompt tokens served from each cache tier come from /metrics around every run. Writes
-kv-cache.json (config, commit, every run) and each bench record to --out, prints a table.
+kv-cache.json (config, commit, every run) to --out and each bench record (per-request
+timings too) to --out/runs, and prints a table.
 
     python -m benchmarks.served.kv_cache                  # one GPU, shape:llama3-8b
     python -m benchmarks.served.kv_cache --quick          # CPU, shape:tiny-llama, a minute
@@ -168,7 +169,7 @@ def _bench(
     prompts: int,
 ) -> dict[str, Any]:
     tag = f"{deployment}-{workload}-{'sat' if rate == float('inf') else f'{rate:g}'}"
-    path = out / f"serve-{tag}.json"
+    path = out / "runs" / f"serve-{tag}.json"
     before = tier_tokens(server.url)
     command = [
         sys.executable, "-m", "splitserve.cli", "bench", "serve", "--base-url", server.url,
