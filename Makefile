@@ -42,7 +42,7 @@ fuzz: install
 	SPLITSERVE_FUZZ_CASES=250 $(VENV)/bin/pytest -q tests/test_api_fuzz.py
 
 bench: install
-	bash benchmarks/cpu.sh
+	bash benchmarks/cpu/run.sh
 
 # 200 streamed requests on 2 prefill + 2 decode workers while decode-0, then prefill-0, are
 # killed with SIGKILL (the short version is tests/test_disagg_chaos.py); one JSON line.
