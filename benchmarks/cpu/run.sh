@@ -2,7 +2,7 @@
 # The CPU benchmark suite (`make bench`): offline engine throughput beside transformers and
 # llama.cpp on the same GGUF file, then serving throughput/latency of colocated against
 # 1 prefill + 1 decode at three request rates.
-# Results: benchmarks/results/cpu-*.json and cpu-*.png (RESULTS=DIR: elsewhere; OFFLINE=0: the
+# Results: benchmarks/results/make-bench-vm2c/cpu-*.json and cpu-*.png (RESULTS=DIR: elsewhere; OFFLINE=0: the
 # serving part alone; RATES, PROMPTS: the serving sweep).
 #
 # llama.cpp comes from llama-cpp-python, built here into its own virtual environment
@@ -10,9 +10,9 @@
 # native build uses AMX and dies with "Illegal instruction" in some sandboxes). LLAMACPP=0
 # skips it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BIN=${BIN:-.venv/bin}
-OUT=${RESULTS:-benchmarks/results}
+OUT=${RESULTS:-benchmarks/results/make-bench-vm2c}
 RATES=${RATES:-0.5,1,2}
 PROMPTS=${PROMPTS:-24}
 mkdir -p "$OUT"

@@ -8,7 +8,7 @@
 source "$(dirname "$0")/../gpu_env.sh"
 
 step "$PY" -m benchmarks.gpu.check
-[ -f benchmarks/kernels/triton_kernels.py ] && step "$PY" -m benchmarks.kernels.triton_kernels
+step "$PY" -m benchmarks.kernels.triton_kernels
 bench() { step "$PY" -m splitserve.cli bench offline --device cuda "$@"; }
 bench --shape smollm2-135m --batch-sizes 1,32 --input-len 128 --output-len 128 \
     --result-file "$OUT/h200-offline-smollm2-135m.json"

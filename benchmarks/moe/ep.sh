@@ -13,7 +13,7 @@ gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 step "$PY" -m benchmarks.moe.ep_check
 step "$PY" -m splitserve.cli bench eplb --ranks 8 16 32 64 --experts 128 --top-k 8 --steps 300 \
     --tokens-per-step 2048 --layers 2 --interval 100 --exponent 0.5 \
-    --gemm-costs benchmarks/results/h200-moe-3/moe-gemm.json --a2a-costs "$OUT/a2a.json" \
+    --gemm-costs benchmarks/results/moe-h200/moe-gemm.json --a2a-costs "$OUT/a2a.json" \
     --out "$OUT/eplb-measured-costs.json"
 step "$PY" -m benchmarks.moe.ep_served --model shape:tiny-mixtral --gpus "$gpus" \
     --num-prompts 64 --input-len 64 --output-len 32 --out "$OUT/tiny-mixtral"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# MoE on one H200 (issue 19), not yet run: the grouped expert GEMM against a per-expert loop
-# of cuBLAS calls (Qwen3-30B-A3B experts, 1 / 64 / 256 tokens); the engine's decode of
+# MoE on one H200 (issue 19; the record is in docs/performance.md): the grouped expert GEMM
+# against a per-expert loop of cuBLAS calls (Qwen3-30B-A3B experts, 1 / 64 / 256 tokens); the engine's decode of
 # shape:qwen3-30b-a3b (EP = 1) at batch 1, 64 and 256 with MBU of the weights the step reads
 # (routed experts counted, bench/roofline.py); transformers on the same shape in its own
 # process (two 61 GB copies do not fit one GPU). Results to $OUT (default benchmarks/results).

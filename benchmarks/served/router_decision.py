@@ -10,7 +10,8 @@ timed: the API server computes the hashes before it asks the router.
     .venv/bin/python -m benchmarks.served.router_decision                # memory index
     .venv/bin/python -m benchmarks.served.router_decision --start-redis  # and a redis-server
 
-Writes benchmarks/results/router_decision.json (or --out) with the commit and the machine.
+Writes benchmarks/results/router-decision-vm2c/router_decision.json (or --out) with the commit
+and the machine.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--redis-url", help="also time a RedisPrefixIndex at this URL")
     parser.add_argument("--start-redis", action="store_true", help="start a private redis-server")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/router_decision.json"))
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/router-decision-vm2c/router_decision.json")
+    )
     args = parser.parse_args()
     chains = conversations(args.blocks, random.Random(args.seed))
     results = {"memory": run(MemoryPrefixIndex(), chains, args)}

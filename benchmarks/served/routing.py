@@ -5,7 +5,7 @@ few unrelated requests, drives it with `splitserve bench serve --dataset shared-
 (Poisson arrivals) and reads the prefix cache counters from /metrics before and after. Rounds
 alternate the order (A B, then B A, ...) so that neither policy always runs first on a cold
 machine. Writes one JSON with every run, the per-policy means, the config and the commit
-(default benchmarks/results/cpu-shared-prefix.json).
+(default benchmarks/results/routing-vm2c/shared-prefix.json).
 
     python -m benchmarks.served.routing --num-prompts 200 --request-rate 2 --rounds 2
 """
@@ -45,7 +45,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server")
     parser.add_argument("--set", action="append", default=[], help="extra serve --set overrides")
     parser.add_argument(
-        "--result-file", type=Path, default=REPO / "benchmarks/results/cpu-shared-prefix.json"
+        "--result-file",
+        type=Path,
+        default=REPO / "benchmarks/results/routing-vm2c/shared-prefix.json",
     )
     args = parser.parse_args()
     runs: list[dict[str, Any]] = []
