@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.served.process import REPO, Server, describe, phase_table, phase_totals
+from benchmarks.served.process import REPO, Server, describe, phase_table, phase_totals, set_args
 from splitserve.bench.report import header
 
 MIXES = {"1024/128": (1024, 128), "4096/256": (4096, 256), "256/1024": (256, 1024)}
@@ -86,17 +86,13 @@ def _deployments(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(name, --config and --set arguments) of each deployment this machine can hold."""
     common = [f"model={args.model}", *args.overrides]
     if args.device == "cpu":
-        return [("colocated-1", ["--config", "configs/colocated.yaml", *_sets(common)])]
-    runs = [("colocated-1", ["--config", "configs/gpu-colocated.yaml", *_sets(common)])]
+        return [("colocated-1", ["--config", "configs/colocated.yaml", *set_args(common)])]
+    runs = [("colocated-1", ["--config", "configs/gpu-colocated.yaml", *set_args(common)])]
     if args.gpus >= 2:
-        runs.append(("1p1d", ["--config", "configs/gpu-1p1d.yaml", *_sets(common)]))
+        runs.append(("1p1d", ["--config", "configs/gpu-1p1d.yaml", *set_args(common)]))
         two = [*common, "pools.colocated.replicas=2"]
-        runs.append(("colocated-2", ["--config", "configs/gpu-colocated.yaml", *_sets(two)]))
+        runs.append(("colocated-2", ["--config", "configs/gpu-colocated.yaml", *set_args(two)]))
     return runs
-
-
-def _sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
 
 
 def _deployment(

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.served.process import Server
+from benchmarks.served.process import Server, set_args
 from splitserve.bench.report import header
 
 HITS_METRIC = "splitserve:prefix_cache_hits_total"
@@ -140,9 +140,9 @@ def _plan(
         f"kv_store.host_bytes={host_bytes}",
     ]  # fmt: skip
     return [
-        ("on", _sets([*model, f"{engine}.enable_prefix_caching=true"]), both),
-        ("off", _sets([*model, f"{engine}.enable_prefix_caching=false"]), both),
-        ("host", _sets(host_sets), [("host-tier", host, args.rate, 2 * s.host_prefixes)]),
+        ("on", set_args([*model, f"{engine}.enable_prefix_caching=true"]), both),
+        ("off", set_args([*model, f"{engine}.enable_prefix_caching=false"]), both),
+        ("host", set_args(host_sets), [("host-tier", host, args.rate, 2 * s.host_prefixes)]),
     ]
 
 
@@ -152,10 +152,6 @@ def _kv_bytes(model: str) -> int:
 
     c = load_model_config(resolve_model(model))
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
-
-
-def _sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
 
 
 def _bench(

@@ -108,6 +108,11 @@ class Server:
         raise TimeoutError("server not ready:\n" + "".join(self.lines[-30:]))
 
 
+def set_args(items: list[str]) -> list[str]:
+    """``--set`` arguments of `splitserve serve` for ``key=value`` items."""
+    return [arg for item in items for arg in ("--set", item)]
+
+
 def phase_totals(url: str) -> dict[tuple[str, str], float]:
     """(pool, phase) -> seconds summed over the pool's workers; phase "steps" counts steps."""
     totals: dict[tuple[str, str], float] = {}
