@@ -16,7 +16,7 @@ kv-cache.json (config, commit, every run) to --out and each bench record (per-re
 timings too) to --out/runs, and prints a table.
 
     python -m benchmarks.served.kv_cache                  # one GPU, shape:llama3-8b
-    python -m benchmarks.served.kv_cache --quick          # CPU, shape:tiny-llama, a minute
+    python -m benchmarks.served.kv_cache --quick          # CPU, shape:tiny-llama, 2 minutes
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ QUERIES_METRIC = "splitserve:prefix_cache_queries_total"
 
 @dataclass(frozen=True)
 class Sizes:
-    """Token counts of the workloads (--quick divides them by 16)."""
+    """Token and request counts of the workloads (QUICK: the CPU's)."""
 
     system_len: int = 4096
     question_len: int = 128
@@ -56,11 +56,17 @@ class Sizes:
     host_output_len: int = 16
 
 
+QUICK = Sizes(
+    system_len=256, question_len=8, prefixes=2, users=3, turn_len=32, conversations=2, turns=3,
+    output_len=8, host_prefixes=6, host_output_len=4,
+)  # fmt: skip
+
+
 def main() -> int:
     args = _parse()
     out = Path(args.out or os.environ.get("OUT") or "benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
-    sizes = Sizes() if not args.quick else _quick(Sizes())
+    sizes = QUICK if args.quick else Sizes()
     record: dict[str, Any] = header({**vars(args), "sizes": vars(sizes)})
     record["deployments"] = {}
     for name, sets, workloads in _plan(args, sizes):
@@ -88,13 +94,6 @@ def _parse() -> argparse.Namespace:
     args.config = args.config or f"configs/{'colocated' if quick else 'gpu-colocated'}.yaml"
     args.host_device_blocks = args.host_device_blocks or (48 if quick else 2048)
     return args
-
-
-def _quick(sizes: Sizes) -> Sizes:
-    return Sizes(
-        system_len=256, question_len=8, prefixes=2, users=3, turn_len=32, conversations=2,
-        turns=3, output_len=8, host_prefixes=6, host_output_len=4,
-    )  # fmt: skip
 
 
 def _plan(
