@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from splitserve.kvstore.hashing import block_hashes
-from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex, make_index
+from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex
+from splitserve.kvstore.index_backends import make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.redis_index import RedisPrefixIndex
 from tests.support.hung_listener import hung_listener

@@ -1,12 +1,13 @@
-"""The engine's side of structured outputs: constraints compiled once per content against its
-vocabulary, each request's matcher, and what each generated token does to it. Nothing here
-imports xgrammar until the first constraint arrives (engines without one never load it)."""
+"""An engine's structured-output constraints: compiled once per content against the engine's
+vocabulary, a fresh matcher per request, each sampled token fed to it. xgrammar loads with the
+first constraint (grammar.py and matcher.py import it), so an engine that never sees one never
+imports it."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.request import Request
@@ -21,57 +22,49 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MASK_WAIT_S = 0.005
-"""The longest an engine with nothing to schedule waits for a mask being filled ahead."""
+"""The longest an idle step waits for a mask being filled ahead."""
 
 
-class EngineConstraints:
-    """budget_s: each request's constraint work, in CPU seconds (engine/structured/matcher.py)."""
-
-    def __init__(
-        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], budget_s: float
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
-        self.budget_s = budget_s
-        self.compiler: GrammarCompiler | None = None
+class Constraints:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: Iterable[int], budget_s: float):
+        self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, list(eos)
+        self._budget_s = budget_s
+        self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The constraint compiled (GrammarError if it cannot be used). Thread-safe."""
+        """The constraint compiled into the cache that ``matcher`` reads (GrammarError, a
+        ValueError, if it cannot be used). Thread-safe: a worker compiles on a thread of its own
+        before it adds the request."""
         from splitserve.engine.structured.grammar import GrammarCompiler
 
         with self._lock:
-            if self.compiler is None:
-                self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self.compiler.compile(spec)
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos)
+        return self._compiler.compile(spec)
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher of the constraint, compiled once per content."""
+        """A fresh matcher of the constraint, with the per-request budget of constraint work."""
         from splitserve.engine.structured.matcher import RequestGrammar
 
-        return RequestGrammar(self.compile(spec), self.budget_s)
+        return RequestGrammar(self.compile(spec), self._budget_s)
 
     @staticmethod
-    def advance(req: Request, token: int) -> str | None:
-        """Feed the request's matcher its new token: "stop" once nothing more may follow
-        (done, or a token it refuses, logged: one sampled elsewhere without the constraint),
-        "error" once its work passed the budget (its grammar's ``budget_message`` says so),
-        else None."""
-        grammar = req.grammar
-        assert grammar is not None
-        if not grammar.accept(token):
+    def advance(req: Request, token: int) -> bool:
+        """Feed the token to the request's matcher; True once nothing more may follow (done,
+        or a token it refuses, logged: one sampled elsewhere without the constraint)."""
+        assert req.grammar is not None
+        if not req.grammar.accept(token):
             log.error("request %s: token %d breaks its constraint", req.request_id, token)
-            return "stop"
-        if grammar.over_budget:
-            return "error"
-        return "stop" if grammar.is_terminated else None
+            return True
+        return req.grammar.is_terminated
 
     @staticmethod
-    def wait_for_masks(running: Sequence[Request]) -> None:
-        """Nothing could be scheduled: wait a moment for a mask being filled ahead rather
-        than spin."""
-        if any(r.grammar is not None for r in running):
+    def wait_for_masks(running: Iterable[Request]) -> None:
+        """Nothing could be scheduled: wait a moment for a mask being filled ahead rather than
+        spin (matcher.py)."""
+        grammars = [r.grammar for r in running if r.grammar is not None]
+        if grammars:
             from splitserve.engine.structured.matcher import wait_ahead
 
-            wait_ahead([r.grammar for r in running], MASK_WAIT_S)
+            wait_ahead(grammars, MASK_WAIT_S)
