@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from splitserve.engine.loader import SHAPE_PREFIX, is_gguf, is_random_shape
-from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.shapes import shape_config
 
 
 def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
@@ -18,7 +19,7 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     if is_random_shape(path):
-        cfg = SHAPES[path.removeprefix(SHAPE_PREFIX)]
+        cfg = shape_config(path.removeprefix(SHAPE_PREFIX))
         config_name, model_name = _HF_CLASSES[cfg.architecture]
         config = getattr(transformers, config_name)(
             vocab_size=cfg.vocab_size,

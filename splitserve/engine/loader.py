@@ -18,7 +18,8 @@ import torch
 from tqdm import tqdm
 
 from splitserve.engine.gguf_file import GGUFFile, read_gguf
-from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.shapes import shape_config
 from splitserve.engine.tokenizer_cache import cached_folder, gguf_tokenizer
 from splitserve.engine.tokenizer_json import json_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
@@ -61,11 +62,11 @@ _GGUF_TOP_NAMES = {
 def resolve_model(name: str) -> str:
     """An alias, a GGUF file or a Hugging Face directory -> a path on disk.
 
-    ``shape:<name>`` (e.g. ``shape:llama3-8b``) stands for random weights of a public shape.
+    ``shape:<name>`` (e.g. ``shape:llama3-8b``, ``shape:deepseek-v3?layers=4``) stands for
+    random weights of a public shape (``engine/shapes.py``).
     """
     if name.startswith(SHAPE_PREFIX):
-        if name.removeprefix(SHAPE_PREFIX) not in SHAPES:
-            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        shape_config(name.removeprefix(SHAPE_PREFIX))  # raises for an unknown one
         return name
     if name in ALIASES:
         package, filename = ALIASES[name]
@@ -135,7 +136,7 @@ def load_tokenizer(path: str, light: bool = False) -> Any:
     """The model's tokenizer. light: without transformers where that reads the same files
     (engine/tokenizer_json.py; what a worker takes), else transformers' own."""
     if is_random_shape(path):
-        return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
+        return NumericTokenizer(shape_config(path.removeprefix(SHAPE_PREFIX)).vocab_size)
     if light:
         folder = cached_folder(path) if is_gguf(path) else Path(path)
         found = json_tokenizer(folder, lambda: load_tokenizer(path))
@@ -150,7 +151,7 @@ def load_tokenizer(path: str, light: bool = False) -> Any:
 
 def load_model_config(path: str) -> ModelConfig:
     if is_random_shape(path):
-        return SHAPES[path.removeprefix(SHAPE_PREFIX)]
+        return shape_config(path.removeprefix(SHAPE_PREFIX))
     if is_gguf(path):
         file = read_gguf(path)
         names = {t.name for t in file.tensors}

@@ -10,6 +10,7 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.expert_parallel import ExpertParallel, GroupMember
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.mixtral import MixtralForCausalLM
 from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -20,6 +21,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV2ForCausalLM,
 }
 
 
