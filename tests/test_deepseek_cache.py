@@ -4,7 +4,6 @@ of a block store shared by two engines, outputs equal to the colocated engine's.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
