@@ -32,7 +32,7 @@ def route_grouped(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | Non
     scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if bias is None else scores + bias
     if moe.num_groups > 1:
-        grouped = choice.view(choice.shape[0], moe.num_groups, -1)
+        grouped = choice.view(choice.shape[0], moe.num_groups, moe.num_experts // moe.num_groups)
         if moe.scoring == "sigmoid":
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
         else:
