@@ -1,12 +1,11 @@
 """Expert-parallel decode groups in the service: the tiny Mixtral, Qwen3-MoE and DeepSeek-V3
 checkpoints served through one prefill worker and a decode pool of ``expert_parallel`` ranks
-(Gloo on CPU). The
-served text equals the offline engine's, token for token, whose greedy token ids equal
-transformers' (the near-tie rule of tests/support/reference.py). Every rank of the group
-decodes requests of its own, so the ranks' lockstep (one of them idle at times) and the prefill
-worker's KV handoff to each rank are exercised. (At EP = 1 a MoE model is served by a plain
-decode worker, the path of every dense model in the other serving tests; its MoE layers are
-the offline engine's, checked against transformers here in every case.)"""
+(Gloo on CPU). The served text equals the offline engine's, token for token, whose greedy token
+ids equal transformers' (the near-tie rule of tests/support/reference.py). Every rank of the
+group decodes requests of its own, so the ranks' lockstep (one of them idle at times) and the
+prefill worker's KV handoff to each rank are exercised. (At EP = 1 a MoE model is served by a
+plain decode worker, the path of every dense model in the other serving tests; its MoE layers
+are the offline engine's, checked against transformers here in every case.)"""
 
 from __future__ import annotations
 
