@@ -17,6 +17,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from splitserve.engine.fp8_weights import (
+    SCALE_SUFFIX,
+    ScaleIndex,
+    dequantize_block_fp8,
+    is_fp8,
+    is_scale,
+    weight_block_size,
+)
 from splitserve.engine.gguf_file import GGUFFile, read_gguf
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.shapes import shape_config
@@ -261,7 +269,14 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
+    scales = ScaleIndex(files)
+    block = weight_block_size(path)
     for file in tqdm(files, desc="Loading weights", unit="file", leave=False):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if is_scale(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if is_fp8(tensor):  # DeepSeek's FP8 blocks: bfloat16 at load (fp8_weights.py)
+                    tensor = dequantize_block_fp8(tensor, scales.get(name + SCALE_SUFFIX), block)
+                yield name, tensor
