@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.support.reference import assert_greedy_equal
+from tests.support.reference import assert_greedy_equal, hf_continuation
 from tests.support.tiny_models import tiny_deepseek_v2, tiny_deepseek_v2_grouped, tiny_deepseek_v3
 
 BUILDERS: dict[str, Callable[[Any, Path], tuple[Any, str]]] = {
@@ -25,18 +25,6 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 def prompts(lengths: tuple[int, ...] = (5, 17, 40, 90)) -> list[list[int]]:
     generator = torch.Generator().manual_seed(7)
     return [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in lengths]
-
-
-def hf_continuation(model: Any, prompt: list[int], tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def assert_matches_transformers(model: Any, llm: LLM, batch: list[list[int]]) -> None:

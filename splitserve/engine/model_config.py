@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = (
     "qwen3_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_mtp",  # the MTP layer of a deepseek_v3 checkpoint (engine/spec/mtp.py)
 )
 
 

@@ -227,10 +227,7 @@ class ModelRunner:
         """The step's flat inputs; appends (row, request, start, end) of the segments that
         compute image positions to image_segments."""
         verifies = [_verifies(req, n) for req, n in zip(batch.requests, batch.num_new_tokens)]
-        order = sorted(
-            range(len(batch.requests)),
-            key=lambda i: batch.num_new_tokens[i] > 1 and not verifies[i],
-        )
+        order = step_order(batch)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -291,6 +288,13 @@ class HostBlocks:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+
+
+def step_order(batch: ScheduledBatch) -> list[int]:
+    """The batch's requests in the order of their rows in a step (each request's new tokens
+    are consecutive rows): decode and verify rows first, then the prefill chunks."""
+    reqs, news = batch.requests, batch.num_new_tokens
+    return sorted(range(len(reqs)), key=lambda i: news[i] > 1 and not _verifies(reqs[i], news[i]))
 
 
 def _verifies(req: Request, num_new: int) -> bool:

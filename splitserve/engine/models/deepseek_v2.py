@@ -18,7 +18,7 @@ from torch import nn
 
 from splitserve.engine.expert_parallel import ExpertParallel
 from splitserve.engine.kv_cache_spec import KVCacheSpec
-from splitserve.engine.layers.attention import AttentionBackend
+from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.deepseek_moe import DeepseekMoE
 from splitserve.engine.layers.mla import MLAAttention, rope_layout
 from splitserve.engine.model_config import MLAConfig, ModelConfig
@@ -43,8 +43,24 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
         super().__init__(cfg, backend, ep)
         self.mla = mla_config(cfg)
 
+    keep_hidden_states = False
+    """Keep each step's final hidden states in ``hidden_states`` (the MTP drafter reads them,
+    ``engine/spec/mtp.py``)."""
+
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
         return deepseek_layer(cfg, backend, index, self.ep)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        hidden = super().forward(input_ids, positions, meta, image_embeds)
+        if self.keep_hidden_states:
+            self.hidden_states = hidden
+        return hidden
 
     def mla_layers(self) -> list[MLAAttention]:
         return [m for m in self.modules() if isinstance(m, MLAAttention)]

@@ -10,6 +10,7 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.expert_parallel import ExpertParallel, GroupMember
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.deepseek_mtp import DeepseekMTP
 from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.mixtral import MixtralForCausalLM
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV2ForCausalLM,
+    "deepseek_mtp": DeepseekMTP,  # V3's MTP layer, the mtp drafter's model
 }
 
 

@@ -39,6 +39,7 @@ from splitserve.engine.spec.ngram import NgramDrafter
 
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.model_runner import ModelRunner
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Speculator:
     ) -> list[RequestOutput]:
         """Sample, accept and append the step's tokens (``_walk``), then roll back each
         request's rejected positions and record the step."""
+        self.drafter.observe(batch)
         reqs = [batch.requests[i] for i in sampled]
         drafts = [r.draft_token_ids for r in reqs]
         outputs, kept = self._walk(engine, reqs, logits)
@@ -221,17 +223,22 @@ def _decoding(req: Request) -> bool:
 
 
 def build_speculator(
-    config: EngineConfig, vocab_size: int, max_model_len: int
+    config: EngineConfig, target: ModelRunner, max_model_len: int
 ) -> Speculator | None:
-    """The speculator of config.speculative (None: speculation off)."""
+    """The speculator of config.speculative (None: speculation off) for the target model."""
     spec = config.speculative
     if spec is None:
         return None
     drafter: Drafter
     if spec.method == "ngram":
         drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "mtp":
+        from splitserve.engine.spec.mtp import MTPDrafter
+
+        drafter = MTPDrafter(config, target, max_model_len)
     else:
         from splitserve.engine.spec.draft_model import DraftModelDrafter
 
+        vocab_size = target.model_config.vocab_size
         drafter = DraftModelDrafter(config, vocab_size, max_model_len)
     return Speculator(spec, drafter, max_model_len)
