@@ -236,13 +236,15 @@ def _receive(
     tokens: list[int] = []
     for trial, prompt in enumerate(prompts):
         request_id = f"h{trial}"
-        assert engine.handoff.reserve(request_id, prompt, _params())
+        assert engine.handoff.reserve(engine.build_request(request_id, prompt, _params()))
         buffer = engine.handoff.receive_buffer(request_id)
         dist.barrier()
         first = torch.empty(1, dtype=torch.int64, device=transport.device)
         transport.recv("prefill", 1, first)
         transport.recv("prefill", 1, buffer)
-        output = engine.handoff.adopt(request_id, buffer, int(first.item()))
+        output = engine.admit_prefilled(
+            *engine.handoff.adopt(request_id, buffer, int(first.item()))
+        )
         torch.cuda.synchronize()
         ends.append(time.monotonic())
         while engine.has_unfinished_requests():

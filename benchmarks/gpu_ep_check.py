@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from splitserve.engine.expert_parallel import ExpertParallel  # noqa: E402
 from splitserve.engine.expert_rebalance import move_experts  # noqa: E402
+from splitserve.engine.layers.expert_placement import ExpertParallel  # noqa: E402
 from splitserve.engine.layers.moe import SparseMoE  # noqa: E402
 from splitserve.engine.model_config import MoEConfig  # noqa: E402
 from splitserve.eplb.rebalance import rebalance  # noqa: E402

@@ -57,6 +57,13 @@ class ServerConfig:
     migration_limit: int = 3
     """How often one request may move to another worker when the one it waits on stops
     (docs/disaggregation.md); past it, or with 0, the request fails with a 503."""
+    body_timeout_s: float = 30.0
+    """The longest a request body may take to arrive; past it the request is dropped (408)."""
+    client_share: float = 0.5
+    """The fraction of max_queue one client (API key, or address without keys) may hold at
+    once: one request for more is a 400, a client past it gets 429 with Retry-After."""
+    max_replicas: int = 64
+    """The most replicas /admin/scale gives a pool."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -69,6 +76,9 @@ class ServerConfig:
         _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
         _require(self.grammar_timeout_s > 0, "server.grammar_timeout_s must be positive")
         _require(self.migration_limit >= 0, "server.migration_limit must be non-negative")
+        _require(self.body_timeout_s > 0, "server.body_timeout_s must be positive")
+        _require(0 < self.client_share <= 1, "server.client_share must be in (0, 1]")
+        _require(self.max_replicas >= 1, "server.max_replicas must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ PROCESS_MODULES = frozenset(
         "test_api_e2e",
         "test_api_errors",
         "test_api_fuzz",
+        "test_api_edges_served",
+        "test_api_hostile_served",
         "test_api_hung_redis",
         "test_deploy_placement",
         "test_deploy_scale",

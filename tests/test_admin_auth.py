@@ -76,3 +76,38 @@ def test_who_may_scale(
 def test_an_empty_admin_key_is_a_config_error() -> None:
     with pytest.raises(ValueError, match=r"server\.admin_keys must not contain empty keys"):
         ServerConfig(admin_keys=("",))
+
+
+@pytest.mark.parametrize(
+    ("server", "headers", "status"),
+    [
+        (ServerConfig(host="0.0.0.0"), {}, 403),
+        (ServerConfig(host="10.1.2.3", api_keys=("user",)), bearer("user"), 403),
+        (ServerConfig(host="0.0.0.0", admin_keys=("ops",)), bearer("ops"), 200),
+    ],
+)
+def test_a_server_bound_beyond_loopback_needs_an_admin_key_even_from_loopback(
+    server: ServerConfig, headers: dict[str, str], status: int
+) -> None:
+    """Behind a proxy on the server's host every client is loopback (issue 48)."""
+    with client(server, "127.0.0.1") as test_client:
+        response = test_client.get("/admin/pools", headers=headers)
+    assert response.status_code == status, response.text
+    if status == 403:
+        assert response.json()["error"]["message"] == (
+            f"admin routes need an admin key (server.admin_keys): the server is bound to "
+            f"{server.host}, not loopback"
+        )
+
+
+@pytest.mark.parametrize("count", [-1, 65, 10**9])
+def test_scaling_is_bounded_by_max_replicas(count: int) -> None:
+    with client(ServerConfig(), "127.0.0.1") as test_client:
+        response = test_client.post("/admin/scale", json={"replicas": {"decode": count}})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": f"replicas.decode: {count} is outside [0, 64] (server.max_replicas)",
+        "type": "invalid_request_error",
+        "param": "replicas.decode",
+        "code": "invalid_value",
+    }

@@ -25,6 +25,7 @@ def server() -> Iterator[ServerProcess]:
     with serve(
         f"server.api_keys=[{KEYS[0]}, {KEYS[1]}]",
         "server.max_queue=2",
+        "server.client_share=1.0",
         "server.max_n=4",
         "server.max_body_bytes=16384",
     ) as process:

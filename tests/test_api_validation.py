@@ -25,7 +25,7 @@ HEADERS = {"Content-Type": "application/json"}
 def client() -> Iterator[TestClient]:
     app = FastAPI()
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=32768, max_header_bytes=1024)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=32768, max_header_bytes=1024, timeout_s=30)
 
     @app.post("/chat")
     async def chat(body: ChatCompletionRequest) -> dict[str, Any]:

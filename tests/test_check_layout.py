@@ -54,8 +54,9 @@ def _check(root: Path) -> subprocess.CompletedProcess[str]:
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     root = tmp_path / "pkg"
-    root.mkdir()
+    root.mkdir(parents=True)
     for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     return root
 
@@ -85,3 +86,46 @@ def test_a_file_over_400_lines_is_reported_at_line_1(tmp_path: Path) -> None:
     result = _check(root)
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"{root}/long.py:1: 401 lines, more than 400"]
+
+
+CYCLE = {
+    "runner.py": "from __future__ import annotations\n\nimport pkg.layers.moe\n",
+    "layers/moe.py": (
+        "from __future__ import annotations\n\nfrom typing import TYPE_CHECKING\n\n"
+        "if TYPE_CHECKING:\n    from ..engine import Engine\n"
+    ),
+    "engine.py": "from __future__ import annotations\n\nfrom pkg.runner import Runner\n",
+}
+
+
+def test_an_import_cycle_through_a_type_checking_import_is_reported_with_its_circle(
+    tmp_path: Path,
+) -> None:
+    root = _package(tmp_path, CYCLE)
+    result = _check(root)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"{root}/layers/moe.py:6: import cycle: pkg.engine -> pkg.runner -> pkg.layers.moe "
+        "-> pkg.engine"
+    ]
+
+
+def test_without_the_cycle_or_with_a_deliberate_lazy_import_the_package_passes(
+    tmp_path: Path,
+) -> None:
+    lazy = "def engine() -> object:\n    from pkg.engine import Engine  # lazy: optional\n"
+    one_way = {**CYCLE, "layers/moe.py": "from __future__ import annotations\n"}
+    for files in (one_way, {**CYCLE, "layers/moe.py": lazy}):
+        result = _check(_package(tmp_path / str(len(files["layers/moe.py"])), files))
+        assert (result.returncode, result.stdout) == (0, "")
+
+
+def test_an_unmarked_function_level_import_closes_a_cycle(tmp_path: Path) -> None:
+    lazy = "def engine() -> object:\n    from pkg.engine import Engine\n    return Engine\n"
+    root = _package(tmp_path, {**CYCLE, "layers/moe.py": lazy})
+    result = _check(root)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"{root}/layers/moe.py:2: import cycle: pkg.engine -> pkg.runner -> pkg.layers.moe "
+        "-> pkg.engine"
+    ]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.expert_parallel import ExpertParallel
 from splitserve.engine.expert_rebalance import sources
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.eplb.placement import Placement, imbalance, static_placement
 from splitserve.eplb.rebalance import (
     balanced_packing,

@@ -77,7 +77,16 @@ def test_output_batch_round_trips_nested_deltas_and_errors() -> None:
 
 
 def test_stats_and_abort_round_trip() -> None:
-    stats = msg.WorkerStats("w-0", 1, 2, 3, 4, 0.25, 10, 5)
+    stats = msg.WorkerStats(
+        worker_id="w-0",
+        num_running=1,
+        num_waiting=2,
+        num_free_blocks=3,
+        num_total_blocks=4,
+        kv_usage=0.25,
+        prompt_tokens_computed=10,
+        prompt_tokens_cached=5,
+    )
     abort = msg.AbortRequest(["a", "b"])
     assert msg.decode(msg.encode(stats)) == stats
     assert msg.decode(msg.encode(abort)) == abort
@@ -92,7 +101,7 @@ def test_disaggregation_messages_round_trip() -> None:
         msg.Prefill("r", [1, 2], params, "decode-0", "tcp://127.0.0.1:5555"),
         msg.KvHeader("r", "prefill-0", 3, 7, logprobs, [2, 30, 1, 16, 3, 64], "float32"),
         msg.KvHeader("r", "prefill-0", 0, 7, None, [2, 1, 1, 16, 1, 8], "bfloat16"),
-        msg.WorkerStats("w", 1, 2, 3, 4, 0.5, 6, 7, 737280, [0.001, 0.25]),
+        msg.WorkerStats(worker_id="w", kv_transfer_bytes=737280, kv_transfer_seconds=[0.001, 0.25]),
         msg.OutputBatch([], [msg.RequestError("r", "transfer failed", 503)]),
         msg.Prefill("r", [1], params, "d", "tcp://a:1", None, [], msg.PeerPrefix("p", "x", 3)),
         msg.FetchBlocks("r", "prefill-1", "tcp://127.0.0.1:5556", [2**64 - 1, 0, 12345]),
@@ -108,6 +117,12 @@ def test_wire_format_is_type_name_and_field_values() -> None:
     assert raw == ["AbortRequest", [["a"]]]
 
 
+def _stats_with_a_string_count() -> bytes:
+    name, body = msgpack.unpackb(msg.encode(msg.WorkerStats(worker_id="w")))
+    body[0] = "1"  # num_running
+    return msgpack.packb([name, body])
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -115,7 +130,7 @@ def test_wire_format_is_type_name_and_field_values() -> None:
         msgpack.packb(["Exploit", []]),
         msgpack.packb(["AbortRequest", []]),
         msgpack.packb(["AbortRequest", ["not a list"]]),
-        msgpack.packb(["WorkerStats", ["w", "1", 2, 3, 4, 0.5, 1, 1]]),
+        _stats_with_a_string_count(),
         b"\xc1",
     ],
 )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.services.messages import PhaseSeconds, WorkerStats
+from splitserve.engine.stats import COUNTER, GAUGE, stat
+from splitserve.services import wire
+from splitserve.services.messages import PhaseSeconds, WorkerStats, decode, encode
 from splitserve.services.metrics import Metrics
 
 
@@ -23,7 +27,18 @@ def labels(**extra: str) -> tuple[tuple[str, str], ...]:
 
 
 def stats(computed: int, cached: int, sent: int) -> WorkerStats:
-    return WorkerStats("prefill-0", 2, 1, 30, 40, 0.25, computed, cached, sent, [0.004])
+    return WorkerStats(
+        worker_id="prefill-0",
+        num_running=2,
+        num_waiting=1,
+        num_free_blocks=30,
+        num_total_blocks=40,
+        kv_usage=0.25,
+        prompt_tokens_computed=computed,
+        prompt_tokens_cached=cached,
+        kv_transfer_bytes=sent,
+        kv_transfer_seconds=[0.004],
+    )
 
 
 def test_worker_stats_set_gauges_and_counters_grow_by_the_difference() -> None:
@@ -61,7 +76,7 @@ def test_loop_phases_become_seconds_per_phase_and_steps_counters() -> None:
 
     def timed(steps: int, forward: float, send: float) -> WorkerStats:
         phases = [PhaseSeconds("forward", forward), PhaseSeconds("send", send)]
-        return WorkerStats("prefill-0", 0, 0, 1, 1, 0.0, 0, 0, loop_phases=phases, loop_steps=steps)
+        return WorkerStats(worker_id="prefill-0", loop_phases=phases, loop_steps=steps)
 
     first = timed(steps=10, forward=0.5, send=0.25)
     metrics.observe_stats("prefill", first, None)
@@ -70,3 +85,43 @@ def test_loop_phases_become_seconds_per_phase_and_steps_counters() -> None:
     assert got[("splitserve:worker_loop_steps_total", labels())] == 30
     assert got[("splitserve:worker_loop_seconds_total", labels(phase="forward"))] == 1.5
     assert got[("splitserve:worker_loop_seconds_total", labels(phase="send"))] == 0.5
+
+
+@dataclass(frozen=True)
+class WithWidgets(WorkerStats):
+    """A worker statistic declared in one place, as a new one would be."""
+
+    widgets: int = stat("Widgets a worker made", COUNTER)
+    widget_temperature: float = stat("The last widget's temperature", GAUGE, 0.0)
+
+
+def test_a_statistic_declared_once_is_in_the_message_codec_and_in_metrics() -> None:
+    first = WithWidgets(worker_id="prefill-0", widgets=3, widget_temperature=21.5)
+    later = WithWidgets(worker_id="prefill-0", widgets=10, widget_temperature=22.0)
+    body = wire.encoder(WithWidgets)(later)
+    assert body[-2:] == [10, 22.0]
+    assert wire.decoder(WithWidgets)(body) == later
+    metrics = Metrics("m", WithWidgets)
+    metrics.observe_stats("prefill", first, None)
+    metrics.observe_stats("prefill", later, first)
+    got = samples(metrics)
+    assert got[("splitserve:widgets_total", labels())] == 10
+    assert got[("splitserve:widget_temperature", labels())] == 22.0
+    assert "# HELP splitserve:widgets_total Widgets a worker made" in metrics.render().decode()
+
+
+def test_an_engine_statistic_reaches_metrics_through_the_wire() -> None:
+    sent = WorkerStats(worker_id="prefill-0", num_running=7, spec_num_accepted_tokens=4)
+    received = decode(encode(sent))
+    assert isinstance(received, WorkerStats)
+    metrics = Metrics("m")
+    metrics.observe_stats("prefill", received, None)
+    text = metrics.render().decode()
+    assert (
+        'splitserve:num_requests_running{model_name="m",pool="prefill",worker="prefill-0"} 7.0'
+        in text
+    )
+    assert "# HELP splitserve:num_requests_running Sequences in engine batches" in text
+    got = samples(metrics)
+    assert got[("splitserve:spec_decode_num_accepted_tokens_total", labels())] == 4
+    assert ("splitserve:eplb_rebalances_total", labels()) not in got  # sparse: never nonzero

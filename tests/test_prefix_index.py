@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from splitserve.kvstore.hashing import block_hashes
-from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex, make_index
+from splitserve.kvstore.index import MemoryPrefixIndex, PrefixIndex
+from splitserve.kvstore.index_backends import make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.redis_index import RedisPrefixIndex
 from tests.support.hung_listener import hung_listener
@@ -248,3 +249,24 @@ def _check_unresponsive(url: str, accepted: list[socket.socket]) -> None:
         assert accepted, "the client did reach the listener"
     finally:
         index.close()
+
+
+def test_malformed_redis_entries_are_skipped_and_counted(redis_server: RedisProcess) -> None:
+    """Issue 48: one value that is not a time made every lookup through its block raise."""
+    namespace = f"test:{uuid.uuid4().hex}"
+    index = RedisPrefixIndex(redis_server.url, TTL_S, namespace=namespace, clock=FakeClock())
+    index.publish("w1", "device", H, ())
+    client = redis.Redis.from_url(redis_server.url)
+    key = [f"{namespace}:b:{block_hash:016x}" for block_hash in H]
+    client.hset(key[1], "x@device", "notafloat")
+    client.hset(key[1], b"\xff@device", "1000.0")
+    client.hset(key[2], "y@device", "nan")
+    client.delete(key[3])
+    client.set(key[3], "not a hash")
+    epoch = index.epoch
+    assert index.longest_prefixes(H) == {"w1": (3, "device")}
+    assert index.malformed_entries == 4
+    assert index.longest_prefixes(H[:2]) == {"w1": (2, "device")}
+    assert index.malformed_entries == 6  # block 1 read again
+    assert index.healthy() and index.epoch == epoch
+    index.close()

@@ -107,9 +107,9 @@ def test_a_pool_speculative_section_reaches_its_engine_config() -> None:
 
 def test_spec_decode_counters_grow_by_the_change_between_stats() -> None:
     metrics = Metrics("m")
-    before = WorkerStats("w", 0, 0, 0, 0, 0.0, 0, 0, spec_num_drafts=2, spec_accepted_per_pos=[1])
+    before = WorkerStats(worker_id="w", spec_num_drafts=2, spec_accepted_per_pos=[1])
     after = WorkerStats(
-        "w", 0, 0, 0, 0, 0.0, 0, 0, spec_num_drafts=5, spec_num_draft_tokens=12,
+        worker_id="w", spec_num_drafts=5, spec_num_draft_tokens=12,
         spec_num_accepted_tokens=7, spec_accepted_per_pos=[4, 3],
     )  # fmt: skip
     metrics.observe_stats("decode", before, None)

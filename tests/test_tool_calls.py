@@ -23,6 +23,13 @@ from splitserve.services.api.tool_calls import (
 )
 from splitserve.services.api.tools import ToolDefinition, calls_schema, plan
 
+NAMES = frozenset({"f", "g"})
+
+
+def hermes() -> HermesParser:
+    return HermesParser(NAMES)
+
+
 CALLS = (
     '[{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"a": 2}]}}, '
     '{"name": "add", "arguments": {}}]'
@@ -84,28 +91,48 @@ def test_required_list_truncated_keeps_the_arguments_so_far() -> None:
         (lambda: NamedParser("f"), '{"x": [1]}', (None, [("f", {"x": [1]})])),
         (lambda: NamedParser("f"), "", (None, [("f", "")])),
         (
-            HermesParser,
+            hermes,
             'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
             '<tool_call>{"name": "g", "arguments": {"b": "é"}}</tool_call>\n',
             ("Sure.", [("f", {"a": 1}), ("g", {"b": "é"})]),
         ),
         (
-            HermesParser,
+            hermes,
             '<tool_call>{"name": "f"}</tool_call>\n\nmore text ',
             ("\n\nmore text", [("f", {})]),
         ),
-        (HermesParser, "a < b <tool_ca", ("a < b <tool_ca", [])),
+        (hermes, "a < b <tool_ca", ("a < b <tool_ca", [])),
         (
-            HermesParser,
+            hermes,
             'x <tool_call>{bad}</tool_call> y <tool_call>{"name"',
             ('x <tool_call>{bad}</tool_call> y <tool_call>{"name"', []),
         ),
         (
-            HermesParser,
+            hermes,
             '<tool_call>{"name": "f", "arguments": "not an object"}</tool_call>',
             ('<tool_call>{"name": "f", "arguments": "not an object"}</tool_call>', []),
         ),
-        (HermesParser, "  plain text\n", ("  plain text\n", [])),
+        (hermes, "  plain text\n", ("  plain text\n", [])),
+        (
+            hermes,
+            'x <tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+            ('x <tool_call>{"name": "rm", "arguments": {}}</tool_call>', []),
+        ),
+        (
+            hermes,
+            '<tool_call>{"name": ["f"], "arguments": {}}</tool_call>',
+            ('<tool_call>{"name": ["f"], "arguments": {}}</tool_call>', []),
+        ),
+        (
+            hermes,
+            '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>',
+            ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>', []),
+        ),
+        (
+            hermes,
+            '<tool_call>{"name": "f", "arguments": {"\\udfff": 1}}</tool_call>',
+            ('<tool_call>{"name": "f", "arguments": {"\\udfff": 1}}</tool_call>', []),
+        ),
         (OutputParser, "<tool_call>{}</tool_call>", ("<tool_call>{}</tool_call>", [])),
     ],
     ids=[
@@ -118,6 +145,10 @@ def test_required_list_truncated_keeps_the_arguments_so_far() -> None:
         "hermes_bad_blocks",
         "hermes_arguments_not_object",
         "hermes_no_calls",
+        "hermes_tool_not_offered",
+        "hermes_name_not_a_string",
+        "hermes_surrogate_in_a_value",
+        "hermes_surrogate_in_a_key",
         "no_tools",
     ],
 )
@@ -135,7 +166,7 @@ def test_finish_reason_is_tool_calls_only_for_calls_that_completed() -> None:
     parser = ListParser()
     parser.feed(CALLS)
     assert [parser.finish_reason(r) for r in ("stop", "length")] == ["tool_calls", "length"]
-    assert HermesParser().finish_reason("stop") == "stop"
+    assert hermes().finish_reason("stop") == "stop"
 
 
 def test_a_streamed_call_starts_with_id_type_and_name_then_only_arguments() -> None:

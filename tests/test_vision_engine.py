@@ -138,8 +138,11 @@ def test_decode_engine_recomputes_an_adopted_image_prompt_after_preemption(
         tokenizer=llm.tokenizer,
     )
     spans = [ImageInput(image.span) for image in images]
-    assert decode.handoff.reserve("r", prompt, GREEDY, spans)
-    decode.handoff.adopt("r", handed.kv, handed.first_token, None, handed.image_embeddings)
+    assert decode.handoff.reserve(decode.build_request("r", prompt, GREEDY, spans))
+    adopted = decode.handoff.adopt(
+        "r", handed.kv, handed.first_token, None, handed.image_embeddings
+    )
+    decode.admit_prefilled(*adopted)
     decode.step()
     req = decode.scheduler.running.pop()
     decode.scheduler._preempt(req)

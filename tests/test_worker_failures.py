@@ -19,7 +19,7 @@ import zmq
 
 from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.request import SamplingParams
+from splitserve.engine.request import Request, SamplingParams
 from splitserve.kvstore.transfer import StoreAddress, start_store
 from splitserve.services import messages as msg
 from splitserve.services.workers.decode import DecodeWorker
@@ -150,10 +150,10 @@ def test_a_reservation_that_raises_fails_only_its_request(model: str, store: Sto
     api = ApiEnd(worker.start(), worker.sealer)
     reserve = worker.engine.handoff.reserve
 
-    def reserve_once(request_id: str, *args: Any) -> bool:
-        if request_id == "second":
+    def reserve_once(req: Request) -> bool:
+        if req.request_id == "second":
             raise Injected("no reservation")
-        return reserve(request_id, *args)
+        return reserve(req)
 
     worker.engine.handoff.reserve = reserve_once
     try:

@@ -14,13 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splitserve.bench.text import TextSource
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
+from splitserve.bench.text import Message, TextSource
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
-
-if TYPE_CHECKING:
-    from splitserve.bench.datasets import Message
+from typing import Any, Literal, Protocol, cast
 
 Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message of a benchmark prompt."""
+
+    role: str
+    content: str
+
 
 _WORD_LIST = """time year people way day man thing woman life child world school state family
     student group country problem hand part place case week company system program question work

@@ -75,6 +75,10 @@ class EngineConfig:
     eplb: EPLBConfig | None = None
     """Rebalance the experts of an expert-parallel group while serving (None: the placement
     stays as it started); it reads the load counters, so not with ``record_expert_load``."""
+    grammar_budget_s: float = 10.0
+    """The CPU seconds a structured-output request's constraint work (token masks and
+    accepts) may take in all; past it the request ends with finish_reason "error"
+    (engine/structured/matcher.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -96,6 +100,8 @@ class EngineConfig:
                 "cpu_weights='bfloat16' is for device='cpu' with float32 activations "
                 f"(dtype 'auto' or 'float32'), not device={self.device!r} dtype={self.dtype!r}"
             )
+        if self.grammar_budget_s <= 0:
+            raise ValueError("grammar_budget_s must be positive")
         if self.expert_load_dir is not None and not self.record_expert_load:
             raise ValueError("expert_load_dir needs record_expert_load")
         if self.eplb is not None and self.record_expert_load:

@@ -19,18 +19,14 @@ each other's K/V).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from splitserve.engine.layers.attention import AttentionMetadata
+from splitserve.engine.overlap import InflightStep
+from splitserve.engine.paged_model import PagedModel
 from splitserve.engine.request import decodes
 from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
-
-if TYPE_CHECKING:
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.overlap import InflightStep
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -52,7 +48,7 @@ class BucketInputs:
 
 class DecodeGraphs:
     def __init__(
-        self, runner: ModelRunner, max_batch: int, capture: bool, verify_rows: int = 0
+        self, runner: PagedModel, max_batch: int, capture: bool, verify_rows: int = 0
     ) -> None:
         self.runner = runner
         self.buckets = bucket_sizes(max_batch)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from splitserve.engine.config import EPLBConfig
-from splitserve.engine.expert_parallel import ExpertParallel
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.eplb.placement import Placement, imbalance
 from splitserve.eplb.rebalance import rebalance
 

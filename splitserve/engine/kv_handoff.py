@@ -2,24 +2,23 @@
 blocks for a request prefilled elsewhere and adopt it once its KV has arrived.
 
 The engine stays transport-agnostic: workers move the tensors (kvstore/transfer.py). This
-class keeps the KV side (the reservations, the prefilled KV waiting to be sent); the engine
-keeps the requests' lifecycle, through its public ``build_request`` and ``admit_prefilled``.
+class keeps the KV side (the reservations, the prefilled KV waiting to be sent) with the
+engine's block manager and model runner; the engine keeps the requests' lifecycle: a worker
+builds a request with ``LLMEngine.build_request`` before ``reserve``, and hands what ``adopt``
+returns to ``LLMEngine.admit_prefilled``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.request import Logprob, Request, RequestOutput
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Logprob, Request
 from splitserve.engine.sampler import SampleResult
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.multimodal import ImageInput
-
-if TYPE_CHECKING:
-    from splitserve.engine.llm_engine import LLMEngine
 
 
 @dataclass
@@ -41,8 +40,9 @@ class KVHandoff:
     """Prefill side: ``hold`` (called by the engine's step), ``pop_prefilled``. Decode side:
     ``reserve``, ``receive_buffer``, ``adopt``, or ``cancel`` if the transfer fails."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, block_manager: BlockManager, runner: ModelRunner) -> None:
+        self.block_manager = block_manager
+        self.runner = runner
         self.prefilled: dict[str, Prefilled] = {}
         self.reserved: dict[str, Request] = {}
 
@@ -50,8 +50,8 @@ class KVHandoff:
     def hold(self, req: Request, result: SampleResult) -> None:
         """A prefill_only request sampled its first token: copy its KV out before the engine
         frees its blocks, and keep it until ``pop_prefilled``."""
-        num_blocks = self.engine.block_manager.blocks_needed(req.num_prompt_tokens)
-        kv = self.engine.runner.gather_blocks(req.block_table[:num_blocks])
+        num_blocks = self.block_manager.blocks_needed(req.num_prompt_tokens)
+        kv = self.runner.gather_blocks(req.block_table[:num_blocks])
         self.prefilled[req.request_id] = Prefilled(
             req.request_id,
             req.prompt_token_ids,
@@ -66,31 +66,18 @@ class KVHandoff:
         return self.prefilled.pop(request_id)
 
     # Decode side.
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        images: list[ImageInput] | None = None,
-        resumed: int = 0,
-        resumed_chars: int = 0,
-    ) -> bool:
-        """Reserve blocks for a prompt prefilled elsewhere; False when none are free now.
-
-        images: the prompt's images, for image-aware block hashes of the adopted KV.
-        resumed, resumed_chars: output tokens of an earlier run at the prompt's end, and the
-        characters of their text the client has (LLMEngine.build_request)."""
-        ids = prompt_token_ids
-        req = self.engine.build_request(request_id, ids, params, images, resumed, resumed_chars)
-        if not self.engine.block_manager.allocate_slots(req, req.num_prompt_tokens):
+    def reserve(self, req: Request) -> bool:
+        """Reserve blocks for a request whose prompt is prefilled elsewhere (built by
+        ``LLMEngine.build_request``, not queued); False when none are free now."""
+        if not self.block_manager.allocate_slots(req, req.num_prompt_tokens):
             return False
-        self.reserved[request_id] = req
+        self.reserved[req.request_id] = req
         return True
 
     def receive_buffer(self, request_id: str) -> torch.Tensor:
         req = self.reserved[request_id]
-        num_blocks = self.engine.block_manager.blocks_needed(req.num_prompt_tokens)
-        runner = self.engine.runner
+        num_blocks = self.block_manager.blocks_needed(req.num_prompt_tokens)
+        runner = self.runner
         return torch.empty(runner.kv_shape(num_blocks), dtype=runner.dtype, device=runner.device)
 
     def adopt(
@@ -100,29 +87,29 @@ class KVHandoff:
         first_token: int,
         logprobs: dict[int, Logprob] | None = None,
         image_embeddings: torch.Tensor | None = None,
-    ) -> RequestOutput:
-        """Write the received KV into the reserved blocks and continue decoding here.
+    ) -> tuple[Request, SampleResult]:
+        """Write the received KV into the reserved blocks; returns the request and its first
+        token, for ``LLMEngine.admit_prefilled`` to continue decoding it here.
 
         image_embeddings: the prompt's images' embeddings (Prefilled.image_embeddings)."""
-        engine = self.engine
         req = self.reserved.pop(request_id)
         lengths = [image.span.length for image in req.images]
         if image_embeddings is not None and image_embeddings.shape[0] == sum(lengths):
             for image, part in zip(req.images, image_embeddings.split(lengths)):
                 image.embeddings = part
         num_blocks = kv.shape[2]
-        engine.runner.scatter_blocks(req.block_table[:num_blocks], kv)
+        self.runner.scatter_blocks(req.block_table[:num_blocks], kv)
         req.num_computed_tokens = req.num_prompt_tokens
-        engine.block_manager.commit(req)
+        self.block_manager.commit(req)
         logprob = None if logprobs is None else logprobs[first_token].logprob
-        return engine.admit_prefilled(req, SampleResult(first_token, logprob, logprobs))
+        return req, SampleResult(first_token, logprob, logprobs)
 
     def cancel(self, request_id: str) -> None:
         """Drop a reservation (transfer failed or timed out) and free its blocks."""
         req = self.reserved.pop(request_id, None)
         if req is not None:
-            self.engine.block_manager.free(req)
-            self.engine.block_manager.forget(request_id)
+            self.block_manager.free(req)
+            self.block_manager.forget(request_id)
         self.prefilled.pop(request_id, None)
 
 

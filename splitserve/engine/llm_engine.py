@@ -4,9 +4,11 @@ sockets here; workers wrap this class and the offline ``LLM`` drives it."""
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from splitserve.engine.admission import check_prompt, context_length
+from splitserve.engine.block_cache import BlockCache, CacheEvents
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
@@ -23,7 +25,7 @@ from splitserve.engine.loader import (
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.overlap import InflightStep, can_continue, is_decode_batch
 from splitserve.engine.phases import PhaseTimer
-from splitserve.engine.prefix_cache import BlockCache, CacheEvents, PrefixCache
+from splitserve.engine.prefix_cache import PrefixCache
 from splitserve.engine.request import Request, RequestOutput
 from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
@@ -31,6 +33,7 @@ from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsP
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.spec.speculator import build_speculator
 from splitserve.engine.stats import EngineStats, engine_stats
+from splitserve.engine.structured.constraints import Constraints
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images
 from splitserve.kvstore.hashing import hash_root
@@ -38,9 +41,7 @@ from splitserve.kvstore.hashing import hash_root
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from splitserve.engine.expert_parallel import GroupMember
-    from splitserve.engine.structured.grammar import GrammarCompiler
-    from splitserve.engine.structured.matcher import RequestGrammar
+    from splitserve.engine.layers.expert_placement import GroupMember
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class LLMEngine:
         self.image_token_id = vision.image_token_id if vision is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(self.tokenizer)
-        self.max_model_len = _max_model_len(
+        self.max_model_len = context_length(
             config, self.model_config.max_position_embeddings, self.model_config.sliding_window
         )
         weights = None if is_random_shape(path) else path
@@ -91,15 +92,14 @@ class LLMEngine:
             self.spec.max_rows = native.max_rows - 1
         self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.eplb = live_rebalancer(self.runner.model, config.eplb)
-        self.handoff = KVHandoff(self)
+        self.handoff = KVHandoff(self.block_manager, self.runner)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self._inflight: InflightStep | None = None
-        self.grammar_compiler: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
-        """Compiles structured-output constraints against the vocabulary (on first use)."""
+        eos, budget = self.eos_token_ids, config.grammar_budget_s
+        self.constraints = Constraints(self.tokenizer, self.model_config.vocab_size, eos, budget)
         self.num_overlapped_steps = 0
         self.num_steps = 0
         self.phases = PhaseTimer()
@@ -149,53 +149,23 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        vocab, blocks = self.model_config.vocab_size, self.block_manager
+        check_prompt(token_ids, params, vocab, self.max_model_len, blocks)
         images = sorted(images or [], key=lambda i: i.span.offset)
         check_images(token_ids, images, self.image_token_id, self.model_config.hidden_size)
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
-            req.grammar = self._grammar(params.structured_outputs)
+            req.grammar = self.constraints.matcher(params.structured_outputs)
         resume(req, resumed, self.model_config.vocab_size, resumed_chars)
         return req
 
-    def _grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher of the constraint, compiled once per content (GrammarError, a
-        ValueError, if it cannot be used). xgrammar loads with the first constraint."""
-        from splitserve.engine.structured.matcher import RequestGrammar
-
-        return RequestGrammar(self.compile_grammar(spec))
-
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The constraint compiled against this engine's vocabulary, into the cache that
-        ``add_request`` reads (GrammarError if it cannot be used). Thread-safe: a worker
-        compiles on a thread of its own before it adds the request."""
-        from splitserve.engine.structured.grammar import GrammarCompiler
-
-        with self._grammar_lock:
-            if self.grammar_compiler is None:
-                vocab = self.model_config.vocab_size
-                eos = list(self.eos_token_ids)
-                self.grammar_compiler = GrammarCompiler(self.tokenizer, vocab, eos)
-        return self.grammar_compiler.compile(spec)
+        """The constraint compiled against this engine's vocabulary (structured/constraints.py)."""
+        return self.constraints.compile(spec)
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.detokenizers[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, req)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        total = len(token_ids) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the context length of {self.max_model_len} tokens"
-            )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError("the request needs more KV blocks than this worker has")
 
     def admit_prefilled(self, req: Request, first: SampleResult) -> RequestOutput:
         """Decode here a request whose prompt KV is already in its committed blocks and whose
@@ -243,6 +213,7 @@ class LLMEngine:
         if batch.is_empty:
             if spec is not None:
                 spec.idle()
+            self.constraints.wait_for_masks(self.scheduler.running)
             return []
         self.num_steps += 1
         self.expert_load.mark_step()
@@ -253,32 +224,39 @@ class LLMEngine:
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)
         results = (
-            None if spec is not None else self.sampler(logits, [batch.requests[i] for i in sampled])
+            [] if spec is not None else self.sampler(logits, [batch.requests[i] for i in sampled])
         )
         phases.lap("forward")
         self._advance(batch)
-        if spec is not None:  # draft positions are sampled one by one: engine/spec/
-            outputs = spec.verify(self, batch, logits, sampled)
-        else:
-            assert results is not None
-            outputs = self._outputs(batch, sampled, results)
+        drawn = (
+            spec.verify(batch, sampled, logits, self.sampler, self.block_manager)
+            if spec is not None  # draft positions are sampled one by one: engine/spec/
+            else [(i, result, False) for i, result in enumerate(results)]
+        )
+        outputs = self._outputs(batch, sampled, drawn)
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
         phases.lap("outputs")
         return outputs
 
     def _outputs(
-        self, batch: ScheduledBatch, sampled: list[int], results: list[SampleResult]
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        drawn: Iterable[tuple[int, SampleResult, bool]],
     ) -> list[RequestOutput]:
-        outputs = []
-        for i, result in zip(sampled, results):
-            req = batch.requests[i]
+        """Append each token drawn: (its request's index in ``sampled``, the token, whether
+        it matched the request's draft, in which case the request draws its next position)."""
+        outputs: dict[int, RequestOutput] = {}
+        for i, result, matched in drawn:
+            req = batch.requests[sampled[i]]
             if req.prefill_only:
-                outputs.append(self.hand_over(req, result))
+                outputs[i] = self.hand_over(req, result)
                 continue
             self.append_token(req, result)
-            outputs.append(self.output(req))
-        return outputs
+            if not matched or req.is_finished:
+                outputs[i] = self.output(req)
+        return [outputs[i] for i in sorted(outputs)]
 
     def _overlap(self, batch: ScheduledBatch, inflight: InflightStep | None) -> list[RequestOutput]:
         """Launch a decode step, then read the step launched before it. With grammars in the
@@ -354,8 +332,10 @@ class LLMEngine:
         detok = self.detokenizers[req.request_id]
         past_min = req.num_output_tokens > params.min_tokens
         stop_string = detok.add(token, check_stop=past_min or not params.min_tokens)
-        grammar_done = req.grammar is not None and self._advance_grammar(req, token)
-        if grammar_done or (token in self.eos_token_ids and not params.ignore_eos):
+        grammar_done = req.grammar is not None and self.constraints.advance(req, token)
+        if req.grammar is not None and req.grammar.over_budget:
+            req.finish("error", req.grammar.budget_message())
+        elif grammar_done or (token in self.eos_token_ids and not params.ignore_eos):
             req.finish("stop")
         elif token in params.stop_token_ids:
             req.finish("stop", token)
@@ -372,15 +352,8 @@ class LLMEngine:
             self.scheduler.finish(req)
             if self.spec is not None:
                 self.spec.release(req)
-
-    def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Feed the token to the request's matcher; True once nothing more may follow (done,
-        or a token it refuses, logged: one sampled elsewhere without the constraint)."""
-        assert req.grammar is not None
-        if not req.grammar.accept(token):
-            log.error("request %s: token %d breaks its constraint", req.request_id, token)
-            return True
-        return req.grammar.is_terminated
+        elif req.grammar is not None:
+            req.grammar.fill_ahead()
 
     def output(self, req: Request) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
@@ -392,9 +365,6 @@ class LLMEngine:
         return output
 
     def stats(self) -> EngineStats:
-        return engine_stats(self)
-
-
-def _max_model_len(config: EngineConfig, max_positions: int, window: int | None) -> int:
-    limit = min(max_positions, window) if window else max_positions
-    return min(config.max_model_len, limit) if config.max_model_len else limit
+        counters = self.spec.counters if self.spec is not None else None
+        tokens = self.prompt_tokens_computed, self.generation_tokens
+        return engine_stats(self.scheduler, self.block_manager, *tokens, counters)

@@ -12,11 +12,12 @@ from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
-from splitserve.engine.expert_parallel import GroupMember
-from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, make_backend
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from splitserve.engine.layers.attention_backends import make_backend
 from splitserve.engine.layers.bf16_linear import to_bf16_layers
 from splitserve.engine.layers.block_linear import interleave_blocks, to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
+from splitserve.engine.layers.expert_placement import GroupMember
 from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.projection_choice import choose_cpu_paths
 from splitserve.engine.loader import iter_weights, text_weights

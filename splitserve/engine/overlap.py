@@ -64,8 +64,10 @@ class InflightStep:
 
 def overlappable(req: Request) -> bool:
     """The device can choose this request's next token: a plain argmax (under the request's
-    grammar mask, filled by the host while the device computes the step's logits)."""
-    return plain_greedy(req) and not req.prefill_only and not req.is_finished
+    grammar mask, filled by the host while the device computes the step's logits; not one
+    whose masks are filled ahead, which sits out steps until its mask is ready)."""
+    deferred = req.grammar is not None and req.grammar.deferred
+    return plain_greedy(req) and not req.prefill_only and not req.is_finished and not deferred
 
 
 def is_decode_batch(batch: ScheduledBatch, max_batch: int) -> bool:

@@ -24,35 +24,14 @@ node's ``kvstore.store.BlockStore``) and a ``CacheEvents`` sink (a ``kvstore.pub
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
+from splitserve.engine.block_cache import BlockCache, CacheEvents
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.store_writer import SLAB_BYTES, SLABS, PinnedSlabs, StoreWriter
-
-
-class BlockCache(Protocol):
-    """Blocks ``[2, layers, block_size, kv_heads, head_dim]`` by hash (BlockStore fits)."""
-
-    def put(self, block_hash: int, kv: torch.Tensor, traffic_class: str | None = None) -> None: ...
-
-    def max_blocks(self, block_bytes: int) -> int | None:
-        """At most how many blocks of one burst of puts can stay (None: no bound), so that
-        the engine copies no block that the next ones of the same burst push out."""
-        ...
-
-    def load_prefix(self, block_hashes: Sequence[int]) -> list[tuple[torch.Tensor, str]]: ...
-
-
-class CacheEvents(Protocol):
-    """Told which blocks enter and leave a tier (PublishBuffer fits)."""
-
-    def stored(self, tier: str, block_hashes: Sequence[int]) -> None: ...
-
-    def evicted(self, tier: str, block_hashes: Sequence[int]) -> None: ...
 
 
 class PrefixCache:

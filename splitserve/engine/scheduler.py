@@ -3,7 +3,8 @@
 Running requests go first (a decode costs one token, or one plus its draft tokens when it
 speculates; an unfinished prefill takes what the budget leaves), then waiting requests are
 admitted in arrival order. When the KV pool runs out, the newest running request is
-preempted: its blocks are freed and it is recomputed later.
+preempted: its blocks are freed and it is recomputed later. A running request whose grammar
+mask is still being filled ahead (engine/structured/matcher.py) sits the step out.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
+            if req.grammar is not None and not req.grammar.ready:
+                index += 1
+                continue
             num_new = self._fit_drafts(req, budget)
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running.pop()

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.block_cache import BlockCache
+
 if TYPE_CHECKING:
     from splitserve.engine.model_runner import HostBlocks
-    from splitserve.engine.prefix_cache import BlockCache
 
 SLABS = 2
 SLAB_BYTES = 256 << 20

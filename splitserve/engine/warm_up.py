@@ -17,15 +17,12 @@ captured afterwards (engine/cuda_graphs.py), so their buckets are covered by the
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from splitserve.engine.paged_model import PagedModel
 from splitserve.engine.sampler import greedy_tokens
-
-if TYPE_CHECKING:
-    from splitserve.engine.model_runner import ModelRunner
 
 MIN_EAGER_WIDTH = 16
 """Blocks of the narrowest eager decode block table (a multiple of 16: one specialisation)."""
@@ -63,7 +60,7 @@ def decode_widths(max_blocks: int) -> list[int]:
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, max_num_seqs: int, max_prefill_tokens: int) -> float:
+def warm_up(runner: PagedModel, max_num_seqs: int, max_prefill_tokens: int) -> float:
     """Run every eager step shape the limits allow once; returns the seconds it took."""
     start = time.perf_counter()
     max_blocks = runner.max_blocks_per_seq
@@ -83,7 +80,7 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_prefill_tokens: int) -> 
 
 
 def _forward(
-    runner: ModelRunner,
+    runner: PagedModel,
     decode_rows: int,
     width: int,
     prompt_lens: list[int],

@@ -1,6 +1,6 @@
 """Where each expert's copies live in an expert-parallel group: the ``Placement`` table that
-EPLB computes (``eplb/rebalance.py``), the engine dispatches by (``engine/expert_parallel.py``)
-and the simulator replays (``eplb/simulate.py``)."""
+EPLB computes (``eplb/rebalance.py``), the engine dispatches by
+(``engine/layers/expert_placement.py``) and the simulator replays (``eplb/simulate.py``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from urllib.parse import urlparse
 
 TIERS: tuple[str, ...] = ("device", "host", "disk")
 """Tiers from fastest to slowest; a holder's prefix is reported at its slowest block's tier."""
@@ -74,6 +73,12 @@ class PrefixIndex(ABC):
     @abstractmethod
     def epoch(self) -> int:
         """Changes whenever the index may have lost entries; writers then rebuild."""
+
+    @property
+    def malformed_entries(self) -> int:
+        """Entries found malformed and skipped by lookups since this index was made (a shared
+        backend others can write to); 0 for a backend that cannot hold any."""
+        return 0
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections."""
@@ -188,19 +193,3 @@ def _live_ranks(holders: dict[str, dict[int, float]], now: float) -> dict[str, i
             if expiry > now and rank < best.get(holder, len(TIERS)):
                 best[holder] = rank
     return best
-
-
-def make_index(url: str, ttl_s: float = DEFAULT_TTL_S) -> PrefixIndex:
-    """Build the index named by ``prefix_index.url``.
-
-    ``memory://`` is this process's index. ``redis://[:password@]host:port/db`` and
-    ``rediss://`` (TLS; certificates through redis-py's URL query parameters) reach Redis.
-    """
-    scheme = urlparse(url).scheme
-    if scheme == "memory":
-        return MemoryPrefixIndex(ttl_s)
-    if scheme in ("redis", "rediss", "unix"):
-        from splitserve.kvstore.redis_index import RedisPrefixIndex
-
-        return RedisPrefixIndex(url, ttl_s)
-    raise ValueError(f"prefix_index.url {url!r}: expected memory://, redis:// or rediss://")

@@ -10,11 +10,16 @@ lookups answer {} (the router falls back to load only) and publishes are dropped
 entries may have been lost (a restart without persistence, evictions dropped while away),
 ``epoch`` changes on every failure and whenever the marker key shows that Redis was reset;
 writers watch it and ``rebuild`` their holdings (PublishBuffer does).
+
+Malformed data (a field that is not UTF-8, a time that is not a finite number, a block key
+that is not a hash) is skipped where it is met and counted (``malformed_entries``): the rest of
+the block, and the rest of the lookup, still count, and no lookup fails for it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -60,6 +65,7 @@ class RedisPrefixIndex(PrefixIndex):
         self._next_probe = 0.0
         self._epoch = 0
         self._marker: bytes | None = None
+        self._malformed = 0
 
     def publish(
         self, holder: str, tier: str, stored: Sequence[int], evicted: Sequence[int]
@@ -89,7 +95,7 @@ class RedisPrefixIndex(PrefixIndex):
             if replies is None:
                 return {}
             for fields in replies:
-                if not scan.add_block(_best_tiers(fields, oldest)):
+                if not scan.add_block(self._best_tiers(fields, oldest)):
                     return scan.result
             start, size = start + size, size * 2
         return scan.result
@@ -114,6 +120,10 @@ class RedisPrefixIndex(PrefixIndex):
     def epoch(self) -> int:
         return self._epoch
 
+    @property
+    def malformed_entries(self) -> int:
+        return self._malformed
+
     def close(self) -> None:
         self._client.close()
 
@@ -121,11 +131,43 @@ class RedisPrefixIndex(PrefixIndex):
         return f"{self._ns}:b:{block_hash:016x}"
 
     def _hgetall(self, block_hashes: Sequence[int]) -> list[dict[bytes, bytes]] | None:
+        """Each block's fields; a key that is not a hash (WRONGTYPE) counts as malformed and
+        as no fields."""
         pipe = self._client.pipeline(transaction=False)
         for block_hash in block_hashes:
             pipe.hgetall(self._key(block_hash))
-        ok, replies = self._run(pipe.execute)
-        return replies if ok else None
+        ok, replies = self._run(lambda: pipe.execute(raise_on_error=False))
+        if not ok:
+            return None
+        failed = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
+        self._count_malformed(len(failed))
+        return [{} if isinstance(reply, redis.ResponseError) else reply for reply in replies]
+
+    def _best_tiers(self, fields: dict[bytes, bytes], oldest: float) -> dict[str, int]:
+        """holder -> fastest tier rank among the block's well-formed fields published after
+        ``oldest``."""
+        best: dict[str, int] = {}
+        malformed = 0
+        for raw_field, raw_time in fields.items():
+            try:
+                published = float(raw_time)
+                holder, _, tier = raw_field.decode().rpartition("@")
+            except (ValueError, UnicodeDecodeError):
+                malformed += 1
+                continue
+            if not math.isfinite(published):
+                malformed += 1
+                continue
+            rank = TIER_RANK.get(tier)
+            if published >= oldest and rank is not None and rank < best.get(holder, len(TIERS)):
+                best[holder] = rank
+        self._count_malformed(malformed)
+        return best
+
+    def _count_malformed(self, count: int) -> None:
+        if count and not self._malformed:
+            log.warning("prefix index: malformed entries in Redis, skipped (counted from now)")
+        self._malformed += count
 
     def _strip_fields(self, fields: list[str]) -> bool:
         """Remove ``fields`` from every block key; False when Redis could not be reached."""
@@ -176,16 +218,3 @@ class RedisPrefixIndex(PrefixIndex):
             self._healthy = True
             self._next_probe = 0.0
         return True, result
-
-
-def _best_tiers(fields: dict[bytes, bytes], oldest: float) -> dict[str, int]:
-    """holder -> fastest tier rank among the block's fields published after ``oldest``."""
-    best: dict[str, int] = {}
-    for raw_field, raw_time in fields.items():
-        if float(raw_time) < oldest:
-            continue
-        holder, _, tier = raw_field.decode().rpartition("@")
-        rank = TIER_RANK.get(tier)
-        if rank is not None and rank < best.get(holder, len(TIERS)):
-            best[holder] = rank
-    return best

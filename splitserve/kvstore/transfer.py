@@ -275,7 +275,8 @@ def collective_group(
 ) -> Any:
     """The process group ``name`` of ``size`` processes, formed through the rendezvous store
     at ``address`` when each of them calls this with its rank (an expert-parallel group:
-    engine/expert_parallel.py). ``key`` signs the rendezvous values as KVTransport's do."""
+    engine/layers/expert_placement.py). ``key`` signs the rendezvous values as KVTransport's
+    do."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
     try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgpack
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stats import COUNTER, GAUGE, HISTOGRAM, VISION, EngineStats, stat
 from splitserve.kvstore.hashing import ImageSpan
 from splitserve.services import wire
 
@@ -218,60 +219,59 @@ class PhaseSeconds:
     seconds: float
 
 
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
 @dataclass(frozen=True)
-class WorkerStats:
+class WorkerStats(EngineStats):
     """Worker -> API server, a few times a second: load and KV occupancy (also a heartbeat).
 
-    kv_transfer_bytes counts KV sent plus received since start; kv_transfer_seconds lists the
-    durations of the transfers finished since the previous stats message.
-    """
+    Its engine's statistics (engine/stats.py: ``EngineStats``, all zero for a vision worker)
+    and the worker's own, declared below the same way: each field's ``stat`` gives its help
+    text and metric, from which services/metrics.py derives the series."""
 
-    worker_id: str
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    prompt_tokens_computed: int
-    prompt_tokens_cached: int
-    kv_transfer_bytes: int = 0
-    kv_transfer_seconds: list[float] = dataclasses.field(default_factory=list)
-    cached_host_tokens: int = 0
-    """Of prompt_tokens_cached, the tokens loaded from the host tier (the rest: disk, device)."""
-    cached_disk_tokens: int = 0
-    cached_remote_tokens: int = 0
-    """Of prompt_tokens_cached, the tokens pulled from another prefill worker."""
-    queued_tokens: int = 0
-    """Prompt tokens admitted whose KV is not computed yet."""
-    prefill_tokens_per_s: float = 0.0
-    """Recent prompt throughput (0 until measured)."""
-    node_id: str = ""
-    """Holder id of the node's shared block store tier ("" without one)."""
-    images_encoded: int = 0
-    """A vision worker's images run through its encoder since start."""
-    encoder_cache_hits: int = 0
-    """A vision worker's images served from its encoder cache since start."""
-    encode_seconds: list[float] = dataclasses.field(default_factory=list)
-    """Durations of the encoder runs finished since the previous stats message."""
-    loop_phases: list[PhaseSeconds] = dataclasses.field(default_factory=list)
-    """Seconds of the loop by phase since start: the engine step's (schedule, forward, wait,
-    outputs) and the worker's around it (idle, receive, reserve, adopt, worker, send, stats)."""
-    loop_steps: int = 0
-    """Engine steps taken since start."""
-    hash_root: int = 0
-    """The start of the worker's block hash chains (kvstore/hashing.py: hash_root; 0 for a
-    vision worker, which hashes no blocks)."""
-    spec_num_drafts: int = 0
-    """Speculative decoding since start (engine/spec/): request-steps that verified drafts,
-    draft tokens verified, those accepted, and accepted ones by draft position."""
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
-    eplb_rebalances: int = 0
-    """A rank of an expert-parallel group: its group's rebalances since start, and the rank
-    load imbalance (max / mean, mean over MoE layers) of the interval before the last one,
-    under the placement it ran with (engine/expert_rebalance.py)."""
-    eplb_imbalance: float = 0.0
+    worker_id: str = ""
+    kv_transfer_bytes: int = stat("KV bytes a worker sent (prefill) or received (decode)", COUNTER)
+    kv_transfer_seconds: list[float] = stat(
+        "Duration of one request's KV transfer", HISTOGRAM, [], buckets=TRANSFER_BUCKETS
+    )
+    prefill_tokens_per_s: float = stat("Recent prompt throughput (0 until measured)", None, 0.0)
+    node_id: str = stat("Holder id of the node's shared block store tier (none: '')", None, "")
+    images_encoded: int = stat(
+        "Images a vision worker ran its encoder on", COUNTER, sparse=True, source=VISION
+    )
+    encoder_cache_hits: int = stat(
+        "Images a vision worker took from its encoder cache", COUNTER, sparse=True, source=VISION
+    )
+    encode_seconds: list[float] = stat(
+        "Duration of one vision encoder run",
+        HISTOGRAM,
+        [],
+        metric="image_encode_seconds",
+        buckets=TRANSFER_BUCKETS,
+        source=VISION,
+    )
+    loop_phases: list[PhaseSeconds] = stat(
+        "Seconds of a worker's loop by phase (engine: schedule, forward, wait, outputs; "
+        "worker: idle, receive, reserve, adopt, handoff, worker, send, stats)",
+        COUNTER,
+        [],
+        metric="worker_loop_seconds",
+        label="phase",
+    )
+    loop_steps: int = stat("Engine steps a worker took", COUNTER, metric="worker_loop_steps")
+    hash_root: int = stat(
+        "The start of the worker's block hash chains (kvstore/hashing.py; 0: a vision worker)"
+    )
+    eplb_rebalances: int = stat(
+        "Expert rebalances of the rank's expert-parallel group", COUNTER, sparse=True
+    )
+    eplb_imbalance: float = stat(
+        "Rank load max/mean of the group's last EPLB interval, before its rebalance",
+        GAUGE,
+        0.0,
+        sparse=True,
+    )
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,17 @@ hits and encode times) arrive as WorkerStats messages; request-side
 numbers are measured by the API server and labelled with the worker that did the work:
 the prompt's (TTFT, queue and prefill time, prompt tokens) or the answer's (the rest).
 Series of the API server itself (admission, refusals before routing) use pool="api".
+
+The worker-side series are not written out here: each comes from the ``stat`` of its field in
+WorkerStats (engine/stats.py declares the engine's, services/messages.py the worker's own), so
+a statistic added there appears on the wire and in /metrics. The prefix cache's queries and
+hits by tier are derived here from several of those fields.
 """
 
 from __future__ import annotations
 
 from contextlib import suppress
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,7 +29,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from splitserve.services.messages import WorkerStats
+from splitserve.engine.stats import ENGINE, GAUGE, HISTOGRAM, VISION, Stat, declared
+from splitserve.services.messages import PhaseSeconds, WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()
@@ -31,13 +38,14 @@ API_POOL = "api"
 LABELS = ("model_name", "pool", "worker")
 WORKER_STATES = ("starting", "ready", "unhealthy", "draining")
 DEVICE_TIER = "device"
-_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    """schema: the workers' statistics (their ``stat`` declares each one's series)."""
+
+    def __init__(self, model_name: str, schema: type[WorkerStats] = WorkerStats) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg = self.registry
@@ -53,11 +61,6 @@ class Metrics:
         ) -> Histogram:
             return Histogram(f"splitserve:{name}", doc, LABELS, buckets=buckets, registry=reg)
 
-        self.num_requests_running = gauge("num_requests_running", "Sequences in engine batches")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting in engines")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Used KV blocks, 0..1")
-        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV blocks")
-        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV blocks")
         self.num_requests_admitted = gauge(
             "num_requests_admitted", "Engine requests admitted by the API server, not finished"
         )
@@ -88,9 +91,6 @@ class Metrics:
             ("reason",),
         )
         self.worker_restarts = counter("worker_restarts", "Workers restarted after they stopped")
-        self.kv_transfer_bytes = counter(
-            "kv_transfer_bytes", "KV bytes a worker sent (prefill) or received (decode)"
-        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ("tier",)
         )
@@ -104,6 +104,11 @@ class Metrics:
         self.prefix_lookup_timeouts = counter(
             "prefix_lookup_timeouts",
             "Requests routed by load alone: the prefix index did not answer in time",
+        )
+        self.prefix_index_malformed = counter(
+            "prefix_index_malformed",
+            "Malformed prefix index entries that lookups skipped (a value that is not a time, "
+            "a key that is not a hash)",
         )
         self.router_decisions = Counter(
             "splitserve:router_decisions",
@@ -135,63 +140,21 @@ class Metrics:
         self.request_decode_time = histogram(
             "request_decode_time_seconds", "Time from the first token to the last"
         )
-        self.kv_transfer_seconds = histogram(
-            "kv_transfer_seconds", "Duration of one request's KV transfer", _TRANSFER_BUCKETS
-        )
-        self.worker_loop_seconds = counter(
-            "worker_loop_seconds",
-            "Seconds of a worker's loop by phase (engine: schedule, forward, wait, outputs; "
-            "worker: idle, receive, reserve, adopt, handoff, worker, send, stats)",
-            ("phase",),
-        )
-        self.worker_loop_steps = counter("worker_loop_steps", "Engine steps a worker took")
-        self.eplb_rebalances = counter(
-            "eplb_rebalances", "Expert rebalances of the rank's expert-parallel group"
-        )
-        self.eplb_imbalance = gauge(
-            "eplb_imbalance",
-            "Rank load max/mean of the group's last EPLB interval, before its rebalance",
-        )
-        self.spec_decode_num_drafts = counter(
-            "spec_decode_num_drafts", "Speculative steps of a request (drafts verified)"
-        )
-        self.spec_decode_num_draft_tokens = counter(
-            "spec_decode_num_draft_tokens", "Draft tokens verified"
-        )
-        self.spec_decode_num_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Draft tokens accepted"
-        )
-        self.spec_decode_num_accepted_tokens_per_pos = counter(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the draft (0: the first)",
-            ("position",),
-        )
-        self.images_encoded = counter("images_encoded", "Images a vision worker ran its encoder on")
-        self.encoder_cache_hits = counter(
-            "encoder_cache_hits", "Images a vision worker took from its encoder cache"
-        )
-        self.image_encode_seconds = histogram(
-            "image_encode_seconds", "Duration of one vision encoder run", _TRANSFER_BUCKETS
-        )
+        self.stats = declared(schema)
+        self.worker_series = {
+            name: series(name, how, reg) for name, how in self.stats if how.kind is not None
+        }
+        """A series per statistic that has one (field name -> series)."""
 
     def labels(self, pool: str, worker: str) -> tuple[str, str, str]:
         return (self.model_name, pool, worker)
 
     def observe_stats(self, pool: str, stats: WorkerStats, previous: WorkerStats | None) -> None:
-        """A worker's gauges from its latest stats; its counters grow by the change since
-        ``previous`` (its stats before, None for the first)."""
+        """An engine worker's gauges from its latest stats; its counters grow by the change
+        since ``previous`` (its stats before, None for the first)."""
         key = self.labels(pool, stats.worker_id)
-        self.num_requests_running.labels(*key).set(stats.num_running)
-        self.num_requests_waiting.labels(*key).set(stats.num_waiting)
-        self.kv_cache_free_blocks.labels(*key).set(stats.num_free_blocks)
-        self.kv_cache_total_blocks.labels(*key).set(stats.num_total_blocks)
-        self.kv_cache_usage_perc.labels(*key).set(stats.kv_usage)
-        for seconds in stats.kv_transfer_seconds:
-            self.kv_transfer_seconds.labels(*key).observe(seconds)
-        before = previous or WorkerStats(stats.worker_id, 0, 0, 0, 0, 0.0, 0, 0)
-        self.kv_transfer_bytes.labels(*key).inc(
-            max(stats.kv_transfer_bytes - before.kv_transfer_bytes, 0)
-        )
+        before = previous or type(stats)()
+        self._observe(key, stats, before, ENGINE)
         cached = max(stats.prompt_tokens_cached - before.prompt_tokens_cached, 0)
         computed = max(stats.prompt_tokens_computed - before.prompt_tokens_computed, 0)
         self.prefix_cache_queries.labels(*key, DEVICE_TIER).inc(cached + computed)
@@ -203,66 +166,48 @@ class Metrics:
         self.prefix_cache_hits.labels(*key, "host").inc(host)
         self.prefix_cache_hits.labels(*key, "disk").inc(disk)
         self.prefix_cache_hits.labels(*key, "remote").inc(remote)
-        self.worker_loop_steps.labels(*key).inc(max(stats.loop_steps - before.loop_steps, 0))
-        if stats.eplb_rebalances:
-            rebalances = max(stats.eplb_rebalances - before.eplb_rebalances, 0)
-            self.eplb_rebalances.labels(*key).inc(rebalances)
-            self.eplb_imbalance.labels(*key).set(stats.eplb_imbalance)
-        self._observe_spec(key, stats, before)
-        earlier = {p.phase: p.seconds for p in before.loop_phases}
-        for phase in stats.loop_phases:
-            grown = max(phase.seconds - earlier.get(phase.phase, 0.0), 0.0)
-            self.worker_loop_seconds.labels(*key, phase.phase).inc(grown)
-
-    def _observe_spec(
-        self, key: tuple[str, str, str], stats: WorkerStats, before: WorkerStats
-    ) -> None:
-        for metric, now, then in (
-            (self.spec_decode_num_drafts, stats.spec_num_drafts, before.spec_num_drafts),
-            (
-                self.spec_decode_num_draft_tokens,
-                stats.spec_num_draft_tokens,
-                before.spec_num_draft_tokens,
-            ),
-            (
-                self.spec_decode_num_accepted_tokens,
-                stats.spec_num_accepted_tokens,
-                before.spec_num_accepted_tokens,
-            ),
-        ):
-            if now or then:
-                metric.labels(*key).inc(max(now - then, 0))
-        earlier = before.spec_accepted_per_pos
-        for pos, count in enumerate(stats.spec_accepted_per_pos):
-            grown = count - (earlier[pos] if pos < len(earlier) else 0)
-            per_pos = self.spec_decode_num_accepted_tokens_per_pos
-            per_pos.labels(*key, str(pos)).inc(max(grown, 0))
 
     def observe_vision_stats(
         self, pool: str, stats: WorkerStats, previous: WorkerStats | None
     ) -> None:
-        """A vision worker's counters grow by the change since ``previous``."""
+        """A vision worker's counters grow by the change since ``previous``; its images in
+        work (``num_running``) are its waiting requests."""
         key = self.labels(pool, stats.worker_id)
-        before = previous or WorkerStats(stats.worker_id, 0, 0, 0, 0, 0.0, 0, 0)
-        self.num_requests_waiting.labels(*key).set(stats.num_running)
-        self.images_encoded.labels(*key).inc(max(stats.images_encoded - before.images_encoded, 0))
-        hits = max(stats.encoder_cache_hits - before.encoder_cache_hits, 0)
-        self.encoder_cache_hits.labels(*key).inc(hits)
-        for seconds in stats.encode_seconds:
-            self.image_encode_seconds.labels(*key).observe(seconds)
+        waiting = self.worker_series["num_waiting"]
+        assert isinstance(waiting, Gauge)
+        waiting.labels(*key).set(stats.num_running)
+        self._observe(key, stats, previous or type(stats)(), VISION)
+
+    def _observe(
+        self, key: tuple[str, str, str], stats: WorkerStats, before: WorkerStats, source: str
+    ) -> None:
+        """The series of the statistics that ``source`` workers report."""
+        for name, how in self.stats:
+            if how.kind is None or how.source != source:
+                continue
+            now, then = getattr(stats, name), getattr(before, name)
+            if how.sparse and not (now or then):
+                continue
+            metric = self.worker_series[name]
+            if isinstance(metric, Gauge):
+                metric.labels(*key).set(now)
+            elif isinstance(metric, Histogram):
+                for value in now:
+                    metric.labels(*key).observe(value)
+            elif how.label:
+                earlier = totals(then)
+                for label, total in totals(now).items():
+                    metric.labels(*key, label).inc(max(total - earlier.get(label, 0), 0))
+            else:
+                metric.labels(*key).inc(max(now - then, 0))
 
     def forget_worker(self, pool: str, worker: str) -> None:
         """Drop a removed worker's gauges, so that they do not show its last values forever."""
         key = self.labels(pool, worker)
-        for gauge in (
-            self.num_requests_running,
-            self.num_requests_waiting,
-            self.kv_cache_free_blocks,
-            self.kv_cache_total_blocks,
-            self.kv_cache_usage_perc,
-        ):
-            with suppress(KeyError):
-                gauge.remove(*key)
+        for gauge in self.worker_series.values():
+            if isinstance(gauge, Gauge):
+                with suppress(KeyError):
+                    gauge.remove(*key)
 
     def set_num_workers(self, counts: dict[str, dict[str, int]]) -> None:
         """counts: pool -> state -> number of workers; states absent from it read 0."""
@@ -279,3 +224,25 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def series(name: str, how: Stat, registry: CollectorRegistry) -> Gauge | Counter | Histogram:
+    """The Prometheus series of one statistic: ``splitserve:<metric>``, labelled by model,
+    pool and worker (and the statistic's own label)."""
+    labels = [*LABELS, how.label] if how.label else list(LABELS)
+    metric = f"splitserve:{how.metric or name}"
+    if how.kind == GAUGE:
+        return Gauge(metric, how.help, labels, registry=registry)
+    if how.kind == HISTOGRAM:
+        buckets = how.buckets or _LATENCY_BUCKETS
+        return Histogram(metric, how.help, labels, buckets=buckets, registry=registry)
+    return Counter(metric, how.help, labels, registry=registry)
+
+
+def totals(values: list[Any]) -> dict[str, float]:
+    """A labelled counter's running totals by label: by position in the list, or by phase
+    (``PhaseSeconds``)."""
+    return dict(
+        (value.phase, value.seconds) if isinstance(value, PhaseSeconds) else (str(i), value)
+        for i, value in enumerate(values)
+    )

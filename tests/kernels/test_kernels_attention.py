@@ -7,12 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.engine.layers.attention import (
-    AttentionMetadata,
-    PrefillSegment,
-    TorchAttention,
-    make_backend,
-)
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, TorchAttention
+from splitserve.engine.layers.attention_backends import make_backend
 from splitserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from splitserve.kernels.prefill_attention import (
     paged_prefill_attention,

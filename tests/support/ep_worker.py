@@ -72,8 +72,8 @@ def move_in_group(
     expert id each new w13 slot and w2 slot holds) on ``results``."""
     import torch
 
-    from splitserve.engine.expert_parallel import ExpertParallel
     from splitserve.engine.expert_rebalance import move_experts
+    from splitserve.engine.layers.expert_placement import ExpertParallel
     from splitserve.engine.layers.moe import SparseMoE
     from splitserve.engine.model_config import MoEConfig
 

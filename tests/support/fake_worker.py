@@ -41,7 +41,9 @@ class FakeWorker:
         await self.output.send(sealer.seal(message))
 
     async def heartbeat(self, free_blocks: int = 100, hash_root: int = 0) -> None:
-        stats = msg.WorkerStats(self.worker_id, 0, 0, free_blocks, 100, 0.0, 0, 0)
+        stats = msg.WorkerStats(
+            worker_id=self.worker_id, num_free_blocks=free_blocks, num_total_blocks=100
+        )
         await self.send(dataclasses.replace(stats, hash_root=hash_root))
 
     async def receive(self) -> msg.Message:

@@ -20,7 +20,7 @@ def disaggregated(
     each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     for index, (prompt, params) in enumerate(zip(prompts, each, strict=True)):
         ids = prefill.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        assert decode.handoff.reserve(str(index), ids, params)
+        assert decode.handoff.reserve(decode.build_request(str(index), ids, params))
         prefill.add_request(str(index), ids, params, prefill_only=True)
     tokens: dict[str, list[int]] = {}
     while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
@@ -29,9 +29,10 @@ def disaggregated(
             buffer = decode.handoff.receive_buffer(output.request_id)
             assert buffer.shape == handed.kv.shape
             buffer.copy_(handed.kv)
-            first = decode.handoff.adopt(
+            adopted = decode.handoff.adopt(
                 output.request_id, buffer, handed.first_token, handed.logprobs
             )
+            first = decode.admit_prefilled(*adopted)
             tokens[first.request_id] = first.outputs[0].token_ids
         for output in decode.step():
             tokens[output.request_id] = output.outputs[0].token_ids

@@ -228,13 +228,3 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     # index_select on the flat table copies ~2.5x faster than advanced indexing on CPU.
     blocks = cache.index_select(0, block_tables.reshape(-1))
     return blocks.view(batch, num_blocks * block_size, heads, dim)
-
-
-def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
-    if name == "triton":  # imported here so that the package imports without Triton
-        from splitserve.engine.layers.triton_attention import TritonAttention
-
-        return TritonAttention(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r} (available: torch, triton)")

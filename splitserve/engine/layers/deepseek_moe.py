@@ -11,19 +11,15 @@ group (only the routed experts are sharded, ``engine/expert_parallel.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.moe import Routing, SparseMoE
 from splitserve.engine.model_config import MoEConfig
-
-if TYPE_CHECKING:
-    from splitserve.engine.expert_parallel import ExpertParallel
 
 
 def route_grouped(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None) -> Routing:

@@ -17,20 +17,17 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import use_kernels
-
-if TYPE_CHECKING:
-    from splitserve.engine.expert_parallel import ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -136,6 +133,24 @@ def experts_forward(
     return combine(down, perm.order, routing.weights)
 
 
+def distributed_experts(
+    ep: ExpertParallel, h: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts of this rank's tokens h [T, H], computed on the ranks that hold them
+    (``layers/expert_placement.py``); this rank's experts (w13, w2: its slots) serve whatever
+    rows the others send."""
+    top_k = routing.experts.shape[1]
+    rank, slot = ep.destinations(routing.experts.flatten())
+    order = torch.argsort(rank * ep.width + slot, stable=True)
+    send = torch.bincount(rank, minlength=ep.size).tolist()
+    recv = ep.counts(torch.tensor(send, device=h.device))
+    rows = ep.exchange(h[order // top_k], send, recv)
+    slots = ep.exchange(slot[order], send, recv)
+    local = Routing(torch.ones((len(slots), 1), device=h.device), slots[:, None])
+    out = experts_forward(rows, w13, w2, local, permute(local.experts, ep.width))
+    return combine(ep.exchange(out, recv, send), order, routing.weights)
+
+
 class SparseMoE(nn.Module):
     """A decoder layer's MoE MLP. Called like ``LlamaMLP``: (x, residual, norm) ->
     (MLP of norm(x + residual), x + residual).
@@ -172,7 +187,7 @@ class SparseMoE(nn.Module):
         perm = permute(routing.experts, self.moe.num_experts)
         self.expert_load += perm.counts
         if self.ep is not None:
-            return self.ep.run(h, routing, self.w13, self.w2)
+            return distributed_experts(self.ep, h, routing, self.w13, self.w2)
         return experts_forward(h, self.w13, self.w2, routing, perm)
 
     def route(self, logits: torch.Tensor) -> Routing:

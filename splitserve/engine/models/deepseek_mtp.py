@@ -20,8 +20,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from splitserve.engine.expert_parallel import ExpertParallel
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import ModelConfig

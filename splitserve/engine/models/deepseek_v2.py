@@ -16,10 +16,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from splitserve.engine.expert_parallel import ExpertParallel
 from splitserve.engine.kv_cache_spec import KVCacheSpec
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.deepseek_moe import DeepseekMoE
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.mla import MLAAttention, rope_layout
 from splitserve.engine.model_config import MLAConfig, ModelConfig
 from splitserve.engine.models.llama import LlamaDecoderLayer, LlamaMLP

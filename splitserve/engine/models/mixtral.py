@@ -13,15 +13,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from splitserve.engine.expert_parallel import ExpertParallel
 from splitserve.engine.layers.attention import AttentionBackend
+from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.moe import SparseMoE
 from splitserve.engine.model_config import ModelConfig, MoEConfig
 from splitserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """``ep``: this rank's share of an expert-parallel group (``engine/expert_parallel.py``);
+    """``ep``: this rank's share of an expert-parallel group (``layers/expert_placement.py``);
     its MoE layers then hold only the experts of its slots."""
 
     expert_block = "block_sparse_moe"

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.expert_parallel import ExpertParallel, GroupMember
+from splitserve.engine.layers.expert_placement import ExpertParallel, GroupMember
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.deepseek_mtp import DeepseekMTP
 from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM

@@ -6,8 +6,8 @@ which the scheduler counts in the request's tokens and the model runner lays out
 last token, returning logits at every one of those positions. ``verify`` then walks each
 request's positions in order: it samples position j exactly as a step without speculation
 would (the same sampler, grammar mask, penalties and logprobs, the request's state advanced
-by the tokens kept so far), appends the token through the engine (stops, max_tokens and the
-grammar see one token at a time), and goes on only while the token equals draft j.
+by the tokens kept so far), hands it to the engine, which appends it (stops, max_tokens and
+the grammar see one token at a time), and goes on only while the token equals draft j.
 
 That is rejection sampling for a point-mass draft distribution: draft d is kept with
 probability p(d), and when it is not, the token drawn is distributed as p without d,
@@ -23,23 +23,23 @@ model rolls its own KV back the same way when it next proposes.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.request import Request, RequestOutput
-from splitserve.engine.sampler import SampleResult, greedy_tokens, plain_greedy
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler, SampleResult, greedy_tokens, plain_greedy
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.spec.config import SpeculativeConfig
+from splitserve.engine.spec.draft_model import DraftModelDrafter
 from splitserve.engine.spec.drafter import Drafter
 from splitserve.engine.spec.dynamic import Acceptance, StepCost, plan_drafts
+from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
-
-if TYPE_CHECKING:
-    from splitserve.engine.llm_engine import LLMEngine
-    from splitserve.engine.model_runner import ModelRunner
 
 
 @dataclass
@@ -131,38 +131,21 @@ class Speculator:
                 self.acceptance[req.request_id].idle()
 
     def verify(
-        self, engine: LLMEngine, batch: ScheduledBatch, logits: torch.Tensor, sampled: list[int]
-    ) -> list[RequestOutput]:
-        """Sample, accept and append the step's tokens (``_walk``), then roll back each
-        request's rejected positions and record the step."""
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        logits: torch.Tensor,
+        sampler: Sampler,
+        block_manager: BlockManager,
+    ) -> Iterator[tuple[int, SampleResult, bool]]:
+        """Position by position over the step's sampled requests still going, yields (index
+        in ``sampled``, the token drawn, whether it equals the request's draft there). The
+        engine appends each token (or hands a prefill_only request over) before the next is
+        drawn: a request goes on while its token matched and it did not finish. Once all
+        stopped, each request's rejected positions are rolled back and the step recorded."""
         self.drafter.observe(batch)
         reqs = [batch.requests[i] for i in sampled]
         drafts = [r.draft_token_ids for r in reqs]
-        outputs, kept = self._walk(engine, reqs, logits)
-        for req, draft, num_kept in zip(reqs, drafts, kept):
-            req.draft_token_ids = []
-            if draft:
-                self._record(req, len(draft), num_kept)
-            if not req.is_finished and not req.prefill_only:
-                req.num_computed_tokens = req.num_tokens - 1
-                engine.block_manager.commit(req)
-                engine.block_manager.trim(req, req.num_computed_tokens)
-        passes = self.drafter.passes([len(d) for d in drafts])
-        seconds = time.perf_counter() - self._started
-        self.cost.record(sum(batch.num_new_tokens), passes, seconds)
-        self._last_overlapped = None
-        return outputs
-
-    def release(self, req: Request) -> None:
-        self.acceptance.pop(req.request_id, None)
-        self.drafter.release(req)
-
-    def _walk(
-        self, engine: LLMEngine, reqs: list[Request], logits: torch.Tensor
-    ) -> tuple[list[RequestOutput], list[int]]:
-        """Position by position over the requests still going: sample, append, stop at the
-        first token that differs from its draft (or that finishes the request). Returns the
-        outputs and each request's drafts kept."""
         offsets = [0]
         for req in reqs:
             offsets.append(offsets[-1] + 1 + len(req.draft_token_ids))
@@ -171,31 +154,51 @@ class Speculator:
             greedy = greedy_tokens(logits).tolist()  # one argmax for every position
         kept = [0] * len(reqs)
         going = list(range(len(reqs)))
-        outputs: dict[int, RequestOutput] = {}
         position = 0
         while going:
             rows = [offsets[i] + position for i in going]
             if greedy is not None:
                 results = [SampleResult(greedy[row]) for row in rows]
             else:
-                results = engine.sampler(logits[rows], [reqs[i] for i in going])
+                results = sampler(logits[rows], [reqs[i] for i in going])
             still = []
             for i, result in zip(going, results):
-                req = reqs[i]
-                if req.prefill_only:
-                    outputs[i] = engine.hand_over(req, result)
-                    continue
-                draft = req.draft_token_ids
-                engine.append_token(req, result)
-                if position < len(draft) and result.token_id == draft[position]:
+                draft = drafts[i]
+                matched = position < len(draft) and result.token_id == draft[position]
+                yield i, result, matched
+                if matched and not reqs[i].prefill_only:
                     kept[i] += 1
-                    if not req.is_finished:
+                    if not reqs[i].is_finished:
                         still.append(i)
-                        continue
-                outputs[i] = engine.output(req)
             going = still
             position += 1
-        return [outputs[i] for i in sorted(outputs)], kept
+        self._settle(batch, reqs, drafts, kept, block_manager)
+
+    def _settle(
+        self,
+        batch: ScheduledBatch,
+        reqs: list[Request],
+        drafts: list[list[int]],
+        kept: list[int],
+        block_manager: BlockManager,
+    ) -> None:
+        """Roll back each request's rejected positions and record the verify step."""
+        for req, draft, num_kept in zip(reqs, drafts, kept):
+            req.draft_token_ids = []
+            if draft:
+                self._record(req, len(draft), num_kept)
+            if not req.is_finished and not req.prefill_only:
+                req.num_computed_tokens = req.num_tokens - 1
+                block_manager.commit(req)
+                block_manager.trim(req, req.num_computed_tokens)
+        passes = self.drafter.passes([len(d) for d in drafts])
+        seconds = time.perf_counter() - self._started
+        self.cost.record(sum(batch.num_new_tokens), passes, seconds)
+        self._last_overlapped = None
+
+    def release(self, req: Request) -> None:
+        self.acceptance.pop(req.request_id, None)
+        self.drafter.release(req)
 
     def _record(self, req: Request, num_drafts: int, num_kept: int) -> None:
         self.counters.record(num_drafts, num_kept)
@@ -233,12 +236,7 @@ def build_speculator(
     if spec.method == "ngram":
         drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec.method == "mtp":
-        from splitserve.engine.spec.mtp import MTPDrafter
-
         drafter = MTPDrafter(config, target, max_model_len)
     else:
-        from splitserve.engine.spec.draft_model import DraftModelDrafter
-
-        vocab_size = target.model_config.vocab_size
-        drafter = DraftModelDrafter(config, vocab_size, max_model_len)
+        drafter = DraftModelDrafter(config, target.model_config.vocab_size, max_model_len)
     return Speculator(spec, drafter, max_model_len)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from splitserve.kvstore.hashing import ImageSpan
-
-if TYPE_CHECKING:
-    from splitserve.engine.request import Request
 
 
 @dataclass
@@ -72,13 +69,20 @@ def check_images(
         raise ValueError("the prompt's image tokens do not match its images")
 
 
-def touches_images(req: Request, start: int, end: int) -> bool:
+class WithImages(Protocol):
+    """A request as the step's image positions see it (engine/request.py's Request fits)."""
+
+    request_id: str
+    images: list[ImageInput]
+
+
+def touches_images(req: WithImages, start: int, end: int) -> bool:
     """Whether positions [start, end) of req include an image placeholder."""
     return any(i.span.offset < end and start < i.span.end for i in req.images)
 
 
 def step_embeddings(
-    segments: Sequence[tuple[int, Request, int, int]], device: torch.device
+    segments: Sequence[tuple[int, WithImages, int, int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(flat rows, their embeddings) for the image positions of a step's segments.
 

@@ -1,9 +1,12 @@
 """Admin routes: `GET /admin/pools`, `POST /admin/scale` (what `splitserve scale` calls).
 
 With ``server.admin_keys`` configured they need one of those keys (an API key of
-``server.api_keys`` is not enough: a client of the model may not resize the deployment);
-without admin keys they answer only clients on the loopback interface (with the API key when
-API keys are configured), so that an open port does not let anyone resize the deployment.
+``server.api_keys`` is not enough: a client of the model may not resize the deployment).
+Without admin keys they answer only when the server itself is bound to loopback
+(``server.host``), and then only clients on the loopback interface (with the API key when
+API keys are configured): a server bound elsewhere is reachable through a proxy on its own
+host, whose clients all look like loopback. ``/admin/scale`` gives a pool at most
+``server.max_replicas`` replicas.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from splitserve.services.api.auth import bearer_matches, check_api_key
 from splitserve.services.api.errors import APIError
+from splitserve.services.api.json_body import CheckedRoute
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -50,6 +54,13 @@ def check_admin(request: Request) -> None:
                 403, "admin routes need an admin key (server.admin_keys)", code="forbidden"
             )
         return
+    if server.host not in LOOPBACK:
+        raise APIError(
+            403,
+            f"admin routes need an admin key (server.admin_keys): the server is bound to "
+            f"{server.host}, not loopback",
+            code="forbidden",
+        )
     host = request.client.host if request.client else ""
     if host not in LOOPBACK:
         raise APIError(
@@ -60,7 +71,7 @@ def check_admin(request: Request) -> None:
     check_api_key(request)
 
 
-router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], route_class=CheckedRoute)
 
 
 class ScaleBody(BaseModel):
@@ -85,6 +96,15 @@ async def pools(request: Request) -> dict[str, Any]:
 @router.post("/scale")
 async def scale(body: ScaleBody, request: Request) -> dict[str, Any]:
     scaler = get_scaler(request)
+    bound = request.app.state.server.config.server.max_replicas
+    for pool, count in body.replicas.items():
+        if not 0 <= count <= bound:
+            raise APIError(
+                400,
+                f"replicas.{pool}: {count} is outside [0, {bound}] (server.max_replicas)",
+                param=f"replicas.{pool}",
+                code="invalid_value",
+            )
     try:
         return {"pools": await scaler.scale(body.replicas)}
     except ScaleError as exc:

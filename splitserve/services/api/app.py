@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from splitserve.services.api.serving import ServerState, get_state
 from splitserve.services.metrics import CONTENT_TYPE
 
 _CREATED = int(time.time())
+log = logging.getLogger("splitserve.api")
 
 
 def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> FastAPI:
@@ -25,10 +27,17 @@ def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> Fas
     app.state.scaler = scaler
     install_error_handlers(app)
     server = state.config.server
+    if server.host not in admin.LOOPBACK and not server.api_keys:
+        log.warning(
+            "the API listens on %s without server.api_keys: anyone who reaches the port can "
+            "use the model",
+            server.host,
+        )
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=server.max_body_bytes,
         max_header_bytes=server.max_header_bytes,
+        timeout_s=server.body_timeout_s,
     )
     app.include_router(chat.router)
     app.include_router(completions.router)

@@ -15,14 +15,15 @@ from fastapi.responses import JSONResponse
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
+from splitserve.services.api.json_body import CheckedRoute
 from splitserve.services.api.protocol import ChatCompletionRequest, ChatMessage
-from splitserve.services.api.request_group import EngineRequestError, RequestGroup
+from splitserve.services.api.request_group import RequestGroup
 from splitserve.services.api.tool_calls import Event, message, stream_delta
 from splitserve.services.api.tools import ToolPlan
 from splitserve.services.api.vision_prompt import check_images, with_images
 from splitserve.services.messages import TokenLogprob
 
-router = APIRouter(dependencies=[Depends(check_api_key)])
+router = APIRouter(dependencies=[Depends(check_api_key)], route_class=CheckedRoute)
 
 
 def render_chat(
@@ -71,7 +72,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt, prompt_images = with_images(state, prompt, images)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
     traffic = sv.traffic_class(state, request)
-    group = await sv.submit(state, [prompt], [params], body.n, traffic, prompt_images)
+    group = await sv.submit(state, request, [prompt], [params], body.n, traffic, prompt_images)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         stream = _stream(state, body, tools, group, response_id, len(prompt))
@@ -158,11 +159,8 @@ async def _stream(
             yield sv.usage_chunk(
                 response_id, "chat.completion.chunk", created, state.model_name, counts
             )
-    except EngineRequestError as exc:
-        yield sv.sse_error(exc)
     finally:
         group.close()
-    yield sv.SSE_DONE
 
 
 def _logprobs(

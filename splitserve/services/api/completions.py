@@ -14,11 +14,12 @@ from fastapi.responses import JSONResponse
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import APIError
+from splitserve.services.api.json_body import CheckedRoute
 from splitserve.services.api.protocol import CompletionRequest
-from splitserve.services.api.request_group import EngineRequestError, RequestGroup
+from splitserve.services.api.request_group import RequestGroup
 from splitserve.services.messages import TokenLogprob
 
-router = APIRouter(dependencies=[Depends(check_api_key)])
+router = APIRouter(dependencies=[Depends(check_api_key)], route_class=CheckedRoute)
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -73,7 +74,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         for p in prompts
     ]
     echoes = await asyncio.to_thread(_echo_texts, state, body, prompts)
-    group = await sv.submit(state, prompts, params, body.n, sv.traffic_class(state, request))
+    traffic = sv.traffic_class(state, request)
+    group = await sv.submit(state, request, prompts, params, body.n, traffic)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         return sv.GroupStream(group, _stream(state, body, group, response_id, prompts, echoes))
@@ -153,11 +155,8 @@ async def _stream(
             prompt_tokens = sum(len(p) for p in prompts)
             counts = sv.usage_counts(prompt_tokens, completion_tokens)
             yield sv.usage_chunk(response_id, "text_completion", created, state.model_name, counts)
-    except EngineRequestError as exc:
-        yield sv.sse_error(exc)
     finally:
         group.close()
-    yield sv.SSE_DONE
 
 
 def _logprobs(

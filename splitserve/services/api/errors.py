@@ -6,6 +6,8 @@ server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from typing import Any
 
@@ -17,6 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("splitserve.api")
+request_log = logging.getLogger("splitserve.requests")
+MAX_LOGGED_CHARS = 300
+"""Of a refused request's error message, what its log line keeps."""
 
 
 class APIError(Exception):
@@ -58,22 +63,36 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return refusal(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_from_validation(exc))
+        return refusal(request, _from_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        code = "body_too_large" if isinstance(exc, BodyTooLarge) else None
-        return error_response(APIError(exc.status_code, str(exc.detail), kind, code=code))
+        code = {BodyTooLarge: "body_too_large", BodyTimeout: "body_timeout"}.get(type(exc))
+        return refusal(request, APIError(exc.status_code, str(exc.detail), kind, code=code))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(APIError(500, "internal server error", "server_error"))
+
+
+def refusal(request: Request, exc: APIError) -> JSONResponse:
+    """The error's response, and one line on the request log for each refused request (4xx;
+    the message cut to MAX_LOGGED_CHARS, whatever the request held)."""
+    if 400 <= exc.status < 500:
+        line = {
+            "path": request.url.path,
+            "status": exc.status,
+            "code": exc.code,
+            "message": exc.message[:MAX_LOGGED_CHARS],
+        }
+        request_log.info(json.dumps({"refused": line}))
+    return error_response(exc)
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:
@@ -108,15 +127,27 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(400, f"the request body is larger than the limit of {max_bytes} bytes")
 
 
+class BodyTimeout(StarletteHTTPException):
+    """A body that did not arrive in time (a client that sends half and waits would hold its
+    connection and the request's handler for ever)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s")
+
+
 class BodyLimitMiddleware:
     """Refuse request heads over ``max_header_bytes`` (431) and bodies over ``max_bytes``
     (400), by Content-Length before the body is read or, for a chunked body, once its
-    chunks add up to more than the limit."""
+    chunks add up to more than the limit; and bodies not complete ``timeout_s`` after the
+    app starts reading them (408, the connection then closed by the server)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, max_header_bytes: int, timeout_s: float
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_header_bytes = max_header_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,14 +158,24 @@ class BodyLimitMiddleware:
             await error_response(refused)(scope, receive, send)
             return
         received = 0
+        deadline: float | None = None
+        complete = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline, complete
+            if complete:  # later reads wait for a disconnect: no deadline
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except TimeoutError:
+                raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+                complete = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)

@@ -19,46 +19,17 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.router import NoWorkerError, Route
 from splitserve.services import messages as msg
-from splitserve.services.api.images import PromptImages
 from splitserve.services.api.inflight import InFlight
 from splitserve.services.api.routing import Routing
+from splitserve.services.api.submission import Submission
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.api.worker_view import Tracked, WorkerState
 from splitserve.services.metrics import Metrics
 
 log = logging.getLogger("splitserve.api")
-
-
-@dataclass(frozen=True)
-class Submission:
-    """What the exchange sends for one engine request, kept to send it again."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    traffic_class: str | None = None
-    images: PromptImages | None = None
-    resumed: int = 0
-    """The prompt's last tokens that are output of an earlier attempt."""
-    resumed_chars: int = 0
-    """Of those tokens' text, the characters the client already has."""
-
-    def resumed_after(self, tokens: list[int], chars: int) -> Submission:
-        """This (original) request continued after ``tokens``, the output already streamed
-        (``chars`` characters of their text): they are appended to the prompt and counted
-        against max_tokens and min_tokens; the text they still owe the client comes first."""
-        if not tokens:
-            return self
-        done, params = len(tokens), self.params
-        max_tokens = None if params.max_tokens is None else params.max_tokens - done
-        min_tokens = max(0, params.min_tokens - done)
-        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min_tokens)
-        prompt = self.prompt_ids + tokens
-        return Submission(prompt, params, self.traffic_class, self.images, done, chars)
 
 
 Send = Callable[[str, Tracked, Submission, Route, dict[str, WorkerState]], None]

@@ -30,7 +30,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "best_of": (None, 1),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -39,7 +38,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
 }
-"""Fields refused unless absent or set to the value that asks for nothing (name -> those)."""
+"""Fields refused unless absent or set to the value that asks for nothing (name -> those; of
+that value's type: ``true`` does not pass for 1)."""
 CHAT_UNSUPPORTED = {**UNSUPPORTED, "parallel_tool_calls": (None, True)}
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": (None, []), "tool_choice": (None, "none")}
 
@@ -49,6 +49,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 
 Count = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT, strict=True)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 """A signed 64-bit seed; choice i samples with seed + i, which stays within the 64 bits that
 torch's generator and msgpack take while i < 2**63."""
@@ -164,6 +165,7 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     stop: str | list[str] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     seed: Seed | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -193,10 +195,18 @@ class SamplingFields(BaseModel):
     def _refuse_unsupported(self) -> SamplingFields:
         extra = self.model_extra or {}
         for name, allowed in self.refused.items():
-            if name in extra and extra[name] not in allowed:
+            if name in extra and not _asks_nothing(extra[name], allowed):
                 raise field_error(
                     name, f"{name} is not supported by this server", "unsupported_parameter"
                 )
+        best_of = extra.get("best_of")
+        if best_of is not None and (type(best_of) is not int or best_of != self.n):
+            raise field_error(
+                "best_of",
+                f"best_of must be absent or equal n ({self.n}): choosing the best of more "
+                "samples than are returned is not supported by this server",
+                "unsupported_parameter",
+            )
         if self.structured_outputs is not None and asks_for_constraint(self.response_format, None):
             raise field_error(
                 "structured_outputs", "give response_format or structured_outputs, not both"
@@ -215,6 +225,10 @@ class SamplingFields(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _asks_nothing(value: Any, allowed: tuple[Any, ...]) -> bool:
+    return any(value == a and type(value) is type(a) for a in allowed)
 
 
 class ChatCompletionRequest(SamplingFields):

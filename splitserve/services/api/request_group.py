@@ -38,6 +38,8 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, msg.TokenDelta | msg.RequestError]] = asyncio.Queue()
         self._abort = abort
         self._open = len(request_ids)
+        self.on_close: Callable[[], None] | None = None
+        """Called once, at the first ``close``."""
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -48,9 +50,14 @@ class RequestGroup:
         index, item = await self.queue.get()
         if isinstance(item, msg.RequestError):
             raise EngineRequestError(item.message, item.status)
+        if item.finish_reason == "error":  # the engine ended it, its stop_reason says why
+            raise EngineRequestError(str(item.stop_reason), 400)
         if item.finish_reason is not None:
             self._open -= 1
         return index, item
 
     def close(self) -> None:
         self._abort(self.request_ids)
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None

@@ -34,6 +34,8 @@ class Routing:
         self.router = router
         self.block_size = block_size
         self.prefix = prefix
+        self._malformed = 0
+        """The index's malformed entries already counted in the metric."""
 
     def route(
         self,
@@ -75,9 +77,13 @@ class Routing:
         if len(roots) != 1:
             return None
         answers = await self.prefix.answers(prompts, roots.pop())
+        api = self.metrics.labels(API_POOL, API_POOL)
         if answers is None:
-            api = self.metrics.labels(API_POOL, API_POOL)
             self.metrics.prefix_lookup_timeouts.labels(*api).inc()
+        malformed = self.prefix.index.malformed_entries
+        if malformed > self._malformed:
+            self.metrics.prefix_index_malformed.labels(*api).inc(malformed - self._malformed)
+            self._malformed = malformed
         return answers
 
     def _count_decision(self, route: Route) -> None:

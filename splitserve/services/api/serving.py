@@ -17,8 +17,9 @@ from splitserve.config import DeployConfig
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.vision.config import VisionConfig
 from splitserve.router.router import NoWorkerError
+from splitserve.services.api.client_share import RETRY_AFTER_S, ClientShares, client_of
 from splitserve.services.api.constraints import ConstraintCheck
-from splitserve.services.api.errors import APIError, error_body
+from splitserve.services.api.errors import MAX_LOGGED_CHARS, APIError, error_body, logger
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.protocol import SamplingFields
@@ -27,7 +28,6 @@ from splitserve.services.messages import TokenDelta, TokenLogprob
 from splitserve.services.metrics import API_POOL, Metrics
 
 DISCONNECT_POLL_S = 0.25
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -41,9 +41,13 @@ class ServerState:
     """The model's image side (None: a text-only model)."""
     constraints: ConstraintCheck = field(init=False)
     """Checks structured-output constraints before they reach a worker."""
+    shares: ClientShares = field(init=False)
+    """What each client holds of the admission bound."""
 
     def __post_init__(self) -> None:
-        self.constraints = ConstraintCheck(self.tokenizer, self.config.server.grammar_timeout_s)
+        server = self.config.server
+        self.constraints = ConstraintCheck(self.tokenizer, server.grammar_timeout_s)
+        self.shares = ClientShares(server.max_queue, server.client_share)
 
     @property
     def model_name(self) -> str:
@@ -66,17 +70,19 @@ def check_model(state: ServerState, model: str) -> None:
 
 
 def check_n(state: ServerState, n: int, prompts: int = 1) -> None:
-    """400 past server.max_n, or for more engine requests (prompts x n) than the admission
-    bound holds at once (such a request could never be admitted)."""
+    """400 past server.max_n, or for more engine requests (prompts x n) than one client may
+    hold at once (such a request could never be admitted)."""
     server = state.config.server
     if n > server.max_n:
         raise APIError(400, f"n: must be at most {server.max_n}", param="n", code="invalid_value")
-    if prompts * n > server.max_queue:
+    limit = state.shares.limit
+    if prompts * n > limit:
         param = "n" if prompts == 1 else "prompt"
+        share = "" if limit == server.max_queue else " for one client (server.client_share)"
         raise APIError(
             400,
             f"{param}: {prompts} prompt(s) x n={n} make {prompts * n} engine requests, more "
-            f"than the {server.max_queue} this server admits at once",
+            f"than the {limit} this server admits at once{share}",
             param=param,
             code="invalid_value",
         )
@@ -116,12 +122,27 @@ def sampling_params(
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             stop=body.stop_list(),
+            stop_token_ids=_stop_token_ids(state, body),
             max_tokens=max_tokens,
             logprobs=logprobs,
             structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def _stop_token_ids(state: ServerState, body: SamplingFields) -> list[int]:
+    """The body's stop_token_ids; 400 for one outside the vocabulary."""
+    ids = body.stop_token_ids or []
+    vocab = len(state.tokenizer)
+    if any(t >= vocab for t in ids):
+        raise APIError(
+            400,
+            f"stop_token_ids: token ids must be in [0, {vocab})",
+            param="stop_token_ids",
+            code="invalid_value",
+        )
+    return list(ids)
 
 
 TRAFFIC_CLASS_HEADER = "x-traffic-class"
@@ -144,13 +165,15 @@ def traffic_class(state: ServerState, request: Request) -> str:
 
 async def submit(
     state: ServerState,
+    request: Request,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     n: int,
     traffic: str | None = None,
     images: PromptImages | None = None,
 ) -> RequestGroup:
-    """Fan out prompts x n choices (choice index = prompt * n + i; seed + i per choice)."""
+    """Fan out prompts x n choices (choice index = prompt * n + i; seed + i per choice),
+    held against the client's share until the group closes."""
     base = uuid.uuid4().hex
     requests = []
     for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
@@ -158,6 +181,24 @@ async def submit(
             seed = None if prompt_params.seed is None else prompt_params.seed + i
             choice_params = SamplingParams(**{**prompt_params.__dict__, "seed": seed})
             requests.append((f"{base}-{p * n + i}", prompt_ids, choice_params))
+    client = client_of(request, bool(state.config.server.api_keys))
+    state.shares.take(client, len(requests))
+    try:
+        group = await _admit(state, requests, traffic, images)
+    except BaseException:
+        state.shares.give_back(client, len(requests))
+        raise
+    group.on_close = lambda: state.shares.give_back(client, len(requests))
+    return group
+
+
+async def _admit(
+    state: ServerState,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    traffic: str | None,
+    images: PromptImages | None,
+) -> RequestGroup:
+    """The exchange's admission, its refusals as API errors."""
     try:
         return await state.exchange.admit(requests, traffic, images)
     except NoWorkerError as exc:
@@ -287,14 +328,30 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+async def ended(content: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """The events of a stream, encoded here, then ``[DONE]``: whatever fails on the way (a
+    worker's error, the output's handling, an event that does not encode) ends the stream
+    with an error event first, logged in one line."""
+    try:
+        async for event in content:
+            yield event.encode()
+    except EngineRequestError as exc:
+        yield sse_error(exc).encode()
+    except Exception as exc:  # the stream must still end with an error event and [DONE]
+        logger.error("a stream failed: %s", repr(exc)[:MAX_LOGGED_CHARS])
+        yield sse(error_body("internal server error", "server_error", None, None)).encode()
+    yield SSE_DONE.encode()
+
+
 class GroupStream(StreamingResponse):
-    """The SSE response of a request group, which it closes however the response ends.
+    """The SSE response of a request group (``ended``), which it closes however the
+    response ends.
 
     NOTE: the stream's own ``finally`` is not enough: an async generator that never started
     (the client left before the first byte) runs none of its code when it is dropped."""
 
     def __init__(self, group: RequestGroup, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        super().__init__(ended(content), media_type="text/event-stream", headers=SSE_HEADERS)
         self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

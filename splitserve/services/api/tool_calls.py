@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.services.api.json_body import surrogate_free
+
 
 @dataclass
 class ToolCallDelta:
@@ -164,14 +166,18 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesParser(OutputParser):
-    """tool_choice auto, Hermes-style templates: each ``<tool_call>`` block whose JSON has a
-    name and object arguments is a call; anything else, an unclosed block or one that does not
-    parse included, is content. Text that may be the start of a block is held back until it
-    is known, and trailing whitespace until more content follows: it is dropped when the
-    output has calls."""
+    """tool_choice auto, Hermes-style templates: each ``<tool_call>`` block whose JSON has the
+    name of an offered tool and object arguments, valid Unicode throughout, is a call; anything
+    else, an unclosed block, one that does not parse, names another tool or holds a lone
+    surrogate (``"\\ud800"`` parses to one) included, is content. Text that may be the start of
+    a block is held back until it is known, and trailing whitespace until more content
+    follows: it is dropped when the output has calls.
 
-    def __init__(self) -> None:
+    names: the offered tools' names."""
+
+    def __init__(self, names: frozenset[str]) -> None:
         super().__init__()
+        self.names = names
         self.buffer = ""
         self.inside = False
         self.pending = ""
@@ -211,10 +217,11 @@ class HermesParser(OutputParser):
             call = json.loads(block)
         except (json.JSONDecodeError, RecursionError):
             call = None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        name = call.get("name") if isinstance(call, dict) else None
+        if not (isinstance(name, str) and name in self.names):
             return self._content(OPEN + block + CLOSE)
         arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
+        if not (isinstance(arguments, dict) and surrogate_free(arguments)):
             return self._content(OPEN + block + CLOSE)
         self.pending = ""
         return [self._header(call["name"], json.dumps(arguments, ensure_ascii=False))]

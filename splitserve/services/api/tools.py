@@ -85,7 +85,9 @@ class ToolPlan:
             return NamedParser(self.name)
         if self.mode == "required":
             return ListParser()
-        return HermesParser() if self.mode == "auto" else OutputParser()
+        if self.mode == "auto":
+            return HermesParser(frozenset(t.function.name for t in self.tools))
+        return OutputParser()
 
     @property
     def forced(self) -> bool:

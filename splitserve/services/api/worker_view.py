@@ -15,9 +15,9 @@ import zmq
 
 from splitserve.router.policy import Candidate
 from splitserve.services import messages as msg
+from splitserve.services.api.submission import Submission
 
 if TYPE_CHECKING:
-    from splitserve.services.api.migration import Submission
     from splitserve.services.api.request_group import RequestGroup
 
 

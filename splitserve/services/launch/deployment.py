@@ -180,7 +180,7 @@ class Deployment:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from splitserve.services.workers.base import worker_class
+        from splitserve.services.workers.roles import worker_class
         from splitserve.services.workers.spec import WorkerSpec
 
         pool = self.config.pools[name]

@@ -97,7 +97,7 @@ async def _serve(deployment: Deployment) -> None:
 
     from splitserve.engine.loader import resolve_model
     from splitserve.engine.vision.config import load_vision_config
-    from splitserve.kvstore.index import make_index
+    from splitserve.kvstore.index_backends import make_index
     from splitserve.router.prefix_lookup import PrefixLookup
     from splitserve.router.router import Router
     from splitserve.services.api.app import build_app

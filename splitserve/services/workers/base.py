@@ -342,24 +342,3 @@ def open_transport(spec: WorkerSpec, addr: str) -> KVTransport:
         transfer.timeout_s,
         key=spec.sealer.store_key(),
     )
-
-
-def worker_class(role: str) -> type[Worker]:
-    """The worker class that runs ``role``."""
-    if role == "both":
-        from splitserve.services.workers.engine_worker import EngineWorker
-
-        return EngineWorker
-    if role == "prefill":
-        from splitserve.services.workers.prefill import PrefillWorker
-
-        return PrefillWorker
-    if role == "decode":
-        from splitserve.services.workers.decode import DecodeWorker
-
-        return DecodeWorker
-    if role == "vision":
-        from splitserve.services.workers.vision import VisionWorker
-
-        return VisionWorker
-    raise ValueError(f"worker role {role!r} is not supported")

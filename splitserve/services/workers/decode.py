@@ -95,10 +95,10 @@ class DecodeWorker(EngineWorker):
             request = self._waiting[0]
             try:
                 images = [ImageInput(span) for span in request.images]
-                handoff = self.engine.handoff
                 ids, params = request.prompt_token_ids, request.params
                 resumed = request.resumed, request.resumed_chars
-                if not handoff.reserve(request.request_id, ids, params, images, *resumed):
+                req = self.engine.build_request(request.request_id, ids, params, images, *resumed)
+                if not self.engine.handoff.reserve(req):
                     return
             except ValueError as exc:
                 self._errors.append(msg.RequestError(request.request_id, str(exc)))
@@ -170,13 +170,14 @@ class DecodeWorker(EngineWorker):
             kv, *embeddings = item.tensors
             logprobs = None if header.logprobs is None else engine_position(header.logprobs)
             try:
-                output = self.engine.handoff.adopt(
+                adopted = self.engine.handoff.adopt(
                     header.request_id,
                     kv,
                     header.first_token,
                     logprobs,
                     next(iter(embeddings), None),
                 )
+                output = self.engine.admit_prefilled(*adopted)
             except Exception as exc:  # this request's KV or first token: it alone fails
                 self._recover(exc, [header.request_id])
                 continue

@@ -234,33 +234,17 @@ class EngineWorker(Worker):
         seconds = []
         while not self._transfer_seconds.empty():
             seconds.append(self._transfer_seconds.get_nowait())
-        s = self.engine.stats()
         eplb = self.engine.eplb
-        tiers = s.cached_tokens_by_tier or {}
         return msg.WorkerStats(
+            **vars(self.engine.stats()),
             worker_id=self.worker_id,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_free_blocks=s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks,
-            kv_usage=float(s.kv_usage),
-            prompt_tokens_computed=s.prompt_tokens_computed,
-            prompt_tokens_cached=s.prompt_tokens_cached,
             kv_transfer_bytes=self._transfer_bytes(),
             kv_transfer_seconds=seconds,
-            cached_host_tokens=tiers.get("host", 0),
-            cached_disk_tokens=tiers.get("disk", 0),
-            cached_remote_tokens=tiers.get("remote", 0),
-            queued_tokens=s.queued_prompt_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             node_id=self.cache.node_id if self.cache is not None else "",
             loop_phases=self._loop_phases(),
             loop_steps=self.engine.num_steps,
             hash_root=self.engine.block_manager.root,
-            spec_num_drafts=s.spec_num_drafts,
-            spec_num_draft_tokens=s.spec_num_draft_tokens,
-            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
-            spec_accepted_per_pos=s.spec_accepted_per_pos,
             eplb_rebalances=eplb.rebalances if eplb is not None else 0,
             eplb_imbalance=eplb.imbalance if eplb is not None else 0.0,
         )

@@ -25,11 +25,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.expert_parallel import (
-    ExpertParallel,
-    GroupMember,
-    lockstep_step,
-)
+from splitserve.engine.expert_parallel import lockstep_step
+from splitserve.engine.layers.expert_placement import ExpertParallel, GroupMember
 from splitserve.kvstore.transfer import collective_group
 from splitserve.services.workers.base import ThreadFailed
 from splitserve.services.workers.spec import WorkerSpec

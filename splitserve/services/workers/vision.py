@@ -127,12 +127,6 @@ class VisionWorker(Worker):
         return msg.WorkerStats(
             worker_id=self.worker_id,
             num_running=len(self._jobs),
-            num_waiting=0,
-            num_free_blocks=0,
-            num_total_blocks=0,
-            kv_usage=0.0,
-            prompt_tokens_computed=0,
-            prompt_tokens_cached=0,
             images_encoded=self.images_encoded,
             encoder_cache_hits=self.cache_hits,
             encode_seconds=seconds,

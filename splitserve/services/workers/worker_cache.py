@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from splitserve.config import KVStoreConfig, PrefixIndexConfig
-from splitserve.kvstore.index import Prefixes, PrefixIndex, make_index
+from splitserve.kvstore.index import Prefixes, PrefixIndex
+from splitserve.kvstore.index_backends import make_index
 from splitserve.kvstore.publish import PublishBuffer
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig, RetentionPolicy
 from splitserve.services.messages import IndexUpdate
