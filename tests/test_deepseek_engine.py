@@ -83,3 +83,31 @@ def test_random_weight_deepseek_shape_generates(tmp_path: Path) -> None:
     llm = LLM(model="shape:tiny-deepseek-v3", block_size=8, num_kv_blocks=32)
     out = llm.generate([[5, 17, 300, 42]], GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 32
+
+
+def test_absorbed_decode_equals_attention_over_expanded_keys_and_values() -> None:
+    """mla_decode (the absorbed form over the paged latent cache) against plain attention of
+    each head over keys and values expanded through kv_b_proj, ragged contexts."""
+    from splitserve.engine.layers.attention import AttentionMetadata
+    from splitserve.engine.layers.mla import MLAAttention
+    from splitserve.engine.shapes import shape_config
+
+    torch.manual_seed(0)
+    attn = MLAAttention(shape_config("tiny-deepseek-v3"))
+    heads, mla = attn.num_heads, attn.mla
+    block, lens = 8, [3, 17, 30]
+    attn.latent_cache = torch.randn(12, block, 1, mla.latent_dim)
+    tables = torch.tensor([[4, 0, 0, 0], [1, 7, 2, 0], [9, 3, 11, 5]])
+    meta = AttentionMetadata(torch.zeros(3, dtype=torch.long), 3, tables, torch.tensor(lens), [])
+    q_nope = torch.randn(3, heads, mla.qk_nope_head_dim)
+    q_rope = torch.randn(3, heads, mla.qk_rope_head_dim)
+    out = attn.decode(q_nope, q_rope, meta)
+    for row, length in enumerate(lens):
+        slots = [tables[row, p // block] * block + p % block for p in range(length)]
+        latent = attn.latent_cache.view(-1, mla.latent_dim)[torch.tensor(slots)]
+        kv = attn.kv_b_proj(latent[:, : mla.kv_lora_rank]).view(length, heads, -1)
+        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        scores = torch.einsum("hd,lhd->hl", q_nope[row], k_nope)
+        scores += torch.einsum("hd,ld->hl", q_rope[row], latent[:, mla.kv_lora_rank :])
+        expected = torch.einsum("hl,lhd->hd", (scores * attn.scale).softmax(-1), v)
+        torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
