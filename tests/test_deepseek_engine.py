@@ -88,12 +88,13 @@ def test_random_weight_deepseek_shape_generates(tmp_path: Path) -> None:
 def test_absorbed_decode_equals_attention_over_expanded_keys_and_values() -> None:
     """mla_decode (the absorbed form over the paged latent cache) against plain attention of
     each head over keys and values expanded through kv_b_proj, ragged contexts."""
-    from splitserve.engine.layers.attention import AttentionMetadata
+    from splitserve.engine.layers.attention import AttentionMetadata, TorchAttention
     from splitserve.engine.layers.mla import MLAAttention
     from splitserve.engine.shapes import shape_config
 
     torch.manual_seed(0)
-    attn = MLAAttention(shape_config("tiny-deepseek-v3"))
+    cfg = shape_config("tiny-deepseek-v3")
+    attn = MLAAttention(cfg, TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
     heads, mla = attn.num_heads, attn.mla
     block, lens = 8, [3, 17, 30]
     attn.latent_cache = torch.randn(12, block, 1, mla.latent_dim)

@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, gather_context
+from splitserve.engine.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillSegment,
+    TorchAttention,
+    gather_context,
+)
 from splitserve.engine.layers.linear import dense, linear, norm_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding, softmax_scale_factor
@@ -54,7 +60,7 @@ class MLAAttention(nn.Module):
     """Called like ``LlamaAttention``: (x, residual, norm, positions, rotary, meta) ->
     (o_proj(attention(norm(x + residual))), x + residual)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         assert cfg.mla is not None
         if cfg.attention_bias:
@@ -77,6 +83,8 @@ class MLAAttention(nn.Module):
         self.scale = mla.qk_head_dim**-0.5 * softmax_scale_factor(cfg.rope_scaling)
         self.latent_cache = torch.empty(0)
         """[num_blocks, block_size, 1, latent_dim], bound by the model runner."""
+        self.kernel = not isinstance(backend, TorchAttention)
+        """The "triton" attention backend: decode takes ``kernels/mla_decode.py``."""
 
     def forward(
         self,
@@ -120,7 +128,10 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self.absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         query = torch.cat([q_latent, q_rope], dim=-1)
-        latent = mla_decode(
+        attend = mla_decode
+        if self.kernel:
+            from splitserve.kernels.mla_decode import mla_decode_attention as attend  # lazy: Triton
+        latent = attend(
             query,
             self.latent_cache,
             meta.decode_block_tables,

@@ -118,7 +118,7 @@ def deepseek_layer(
         mlp = LlamaMLP(cfg)
     else:
         mlp = DeepseekMoE(cfg.hidden_size, config, ep)
-    return LlamaDecoderLayer(cfg, backend, MLAAttention(cfg), mlp)
+    return LlamaDecoderLayer(cfg, backend, MLAAttention(cfg, backend), mlp)
 
 
 def rope_reordered(
