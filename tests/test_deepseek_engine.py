@@ -112,3 +112,19 @@ def test_absorbed_decode_equals_attention_over_expanded_keys_and_values() -> Non
         scores += torch.einsum("hd,ld->hl", q_rope[row], latent[:, mla.kv_lora_rank :])
         expected = torch.einsum("hl,lhd->hd", (scores * attn.scale).softmax(-1), v)
         torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_shapes_have_the_published_sizes_in_the_roofline() -> None:
+    """Every expert counted, the layers' weights plus embedding and head are DeepSeek-V3's
+    671B and V2-Lite's 15.7B; a token's latent cache is 576 values a layer."""
+    from splitserve.bench.roofline import kv_bytes_per_token, matmul_params
+    from splitserve.engine.shapes import shape_config
+
+    for name, total, kv_bytes in (
+        ("deepseek-v3", 671_025_397_760, 61 * 576 * 2),
+        ("deepseek-v2-lite", 15_706_357_760, 27 * 576 * 2),
+    ):
+        cfg = shape_config(name)
+        assert cfg.moe is not None
+        everything = matmul_params(cfg, cfg.moe.num_experts) + 2 * cfg.hidden_size * cfg.vocab_size
+        assert (everything, kv_bytes_per_token(cfg, 2)) == (total, kv_bytes)
