@@ -103,7 +103,9 @@ def mla_decode_attention(
     """query [B, H, latent_dim] over latent_cache [num_blocks, block_size, 1, latent_dim]
     (padded block_tables [B, max_blocks], context_lens [B]) -> [B, H, value_dim], the
     weighted first ``value_dim`` values of each row (the latent). value_dim and
-    latent_dim - value_dim are powers of two of at least 16."""
+    latent_dim - value_dim are powers of two of at least 16. block_n: context tokens per
+    tile (default: the decode kernel's tile, at most 32 rows of a 512-value latent, whose
+    tile the program holds whole)."""
     batch, num_heads, latent_dim = query.shape
     rope = latent_dim - value_dim
     assert latent_cache.shape[2] == 1 and latent_cache.shape[3] == latent_dim
@@ -130,7 +132,8 @@ def mla_decode_attention(
         query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
         LORA=value_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n or tile, NUM_SPLITS=splits, PRECISION=dot_precision(query.dtype),
+        BLOCK_N=block_n or min(tile, max(16, 16384 // value_dim)), NUM_SPLITS=splits,
+        PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, **pdl.launch_kwargs(query),
     )  # fmt: skip
     if splits > 1:
