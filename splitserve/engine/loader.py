@@ -103,11 +103,13 @@ class NumericTokenizer:
     as decimal numbers separated by spaces ("5 17 300"); decoding writes " 5 17 300".
 
     It has what the API server and the load generator ask of a Hugging Face tokenizer (its
-    length, the special ids, no chat template); there are no special tokens and no EOS, so a
-    request ends at its length limit."""
+    length, the special ids, a chat template); there are no special tokens and no EOS, so a
+    request ends at its length limit. Its chat template writes no roles or markers: a
+    conversation is its messages' ids one after another, so messages that share a system
+    prompt share a prefix of ids, as they do under a real template."""
 
     eos_token_id = None
-    chat_template = None
+    chat_template = "numeric: the messages' ids in order"
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -130,6 +132,26 @@ class NumericTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" {t}" for t in token_ids)
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        return_dict: bool = False,
+    ) -> list[int] | str:
+        """The messages' contents (text, or text parts) as ids one after another; tools and
+        the generation prompt add nothing. tokenize=False: the same ids as text."""
+        ids = [t for message in conversation for t in self.encode(_content_text(message))]
+        return ids if tokenize else self.decode(ids)
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, str):
+        return content
+    return " ".join(part["text"] for part in content if part.get("type") == "text")
 
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:

@@ -154,7 +154,7 @@ def choose_tiles(programs: int, device: torch.device, element_size: int) -> tupl
 
     With fewer pairs than SMs (small batches) 32-token tiles and splits down to 64 tokens
     spread one sequence over the GPU; measured on an H200 at batch 1 with a 1k context
-    (benchmarks/gpu_fastpath.py): Llama-3-8B 6.2 us per layer against 6.5 with 128-token
+    (benchmarks/gpu/fastpath.py): Llama-3-8B 6.2 us per layer against 6.5 with 128-token
     tiles, SmolLM2-135M 4.6 against 5.0. Otherwise 128-token tiles (64 for float32 caches)."""
     if programs < _num_sms(device):
         return 32, 64
