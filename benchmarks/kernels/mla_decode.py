@@ -1,7 +1,7 @@
 """The paged MLA decode kernel against its torch reference on one GPU (DeepSeek-V3's
 attention shape: 128 heads, a 512 + 64 latent per token, bfloat16).
 
-    python3 benchmarks/gpu_mla.py --batch 64 --contexts 1024,4096,16384,32768
+    python3 -m benchmarks.kernels.mla_decode --batch 64 --contexts 1024,4096,16384,32768
 
 Checks the kernel against ``engine/layers/mla.py: mla_decode`` (exits 1 on a mismatch) and
 prints one JSON line: per context the kernel's time in µs at its default tile (key 0) and at
@@ -22,12 +22,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from splitserve.bench.report import git_commit  # noqa: E402
-from splitserve.engine.layers.mla import mla_decode  # noqa: E402
-from splitserve.kernels.mla_decode import mla_decode_attention  # noqa: E402
+from splitserve.bench.report import git_commit
+from splitserve.engine.layers.mla import mla_decode
+from splitserve.kernels.mla_decode import mla_decode_attention
 
 HEADS, LORA, ROPE, BLOCK_SIZE = 128, 512, 64, 16
 BANDWIDTH = 4.24e12
