@@ -1,9 +1,10 @@
 """DeepSeek's latent KV blocks through the KV cache system: prefill on one engine and decode
-on another (the handoff carries latents), prefix reuse on the device and from the host tier
-of a block store shared by two engines, outputs equal to the colocated engine's."""
+on another (the handoff carries latents), prefix reuse on the device and from the host or
+disk tier of a block store shared by two engines, outputs equal to the colocated engine's."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,16 +76,26 @@ def test_second_request_with_a_shared_prefix_computes_only_its_new_tokens(
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == 11
 
 
-def test_another_engine_loads_the_latent_prefix_from_the_host_tier(
-    v3_path: str, smollm2_tokenizer: Any
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_another_engine_loads_the_latent_prefix_from_a_store_tier(
+    v3_path: str, smollm2_tokenizer: Any, tier: str, tmp_path: Path
 ) -> None:
     prompt = ids(45, 4)
-    store = BlockStore(BlockStoreConfig(host_bytes=16 << 20))
+    if tier == "host":
+        config = BlockStoreConfig(host_bytes=16 << 20)
+    else:
+        config = BlockStoreConfig(host_bytes=0, disk_path=str(tmp_path), disk_bytes=16 << 20)
+    store = BlockStore(config)
     first = LLM.from_engine(engine(v3_path, smollm2_tokenizer, store))
     expected = tokens(first, prompt)
-    assert len(store.host) == (45 + GREEDY.max_tokens - 1) // BLOCK  # KV-complete blocks
+    stored = (45 + GREEDY.max_tokens - 1) // BLOCK  # KV-complete blocks
+    if tier == "disk":
+        assert len(list(tmp_path.glob("*/*.kv"))) == stored
+        store = BlockStore(config)  # another process's store over the same directory
+    else:
+        assert len(store.host) == stored
     second = LLM.from_engine(engine(v3_path, smollm2_tokenizer, store))
     assert tokens(second, prompt) == expected
     stats = second.engine.stats()
-    assert stats.cached_tokens_by_tier == {"host": 40}
+    assert stats.cached_tokens_by_tier == {tier: 40}
     assert stats.prompt_tokens_computed == 5
