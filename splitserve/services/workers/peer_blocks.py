@@ -84,7 +84,7 @@ class StagedBlocks:
         return found
 
     def stage(self, request_id: str, hashes: Sequence[int], kv: torch.Tensor) -> None:
-        """Keep block i of kv [parts, layers, n, block, heads, dim] under hashes[i] until release."""
+        """Keep block i of kv [parts, layers, n, block, heads, dim] under hashes[i] till release."""
         self.release(request_id)
         self._owned[request_id] = list(hashes)
         for i, block_hash in enumerate(hashes):
