@@ -31,6 +31,7 @@ from splitserve.engine.layers.attention import (
     AttentionMetadata,
     PrefillSegment,
     TorchAttention,
+    chunk_attention,
     gather_context,
 )
 from splitserve.engine.layers.linear import dense, linear, norm_linear
@@ -160,28 +161,7 @@ class MLAAttention(nn.Module):
         k_rope = entry[:, None, mla.kv_lora_rank :].expand(-1, self.num_heads, -1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        return causal_attention(q, k, v, self.scale)
-
-
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Queries q [L, H, D] of a context's last L positions over its k [C, H, D] and
-    v [C, H, Dv] -> [L, H, Dv]."""
-    length, context = q.shape[0], k.shape[0]
-    mask = None
-    if context > length:
-        rows = torch.arange(length, device=q.device)[:, None] + context - length
-        mask = torch.arange(context, device=q.device)[None, :] <= rows
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-    )
-    return out.transpose(0, 1)
+        return chunk_attention(q, k, v, self.scale)
 
 
 def mla_decode(

@@ -24,6 +24,7 @@ from splitserve.engine.layers.mla import MLAAttention, rope_layout
 from splitserve.engine.model_config import MLAConfig, ModelConfig
 from splitserve.engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from splitserve.engine.models.mixtral import MixtralForCausalLM, moe
+from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _IN_PROJ = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa")
 _SHARED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -31,11 +32,9 @@ _SHARED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 class DeepseekV2ForCausalLM(MixtralForCausalLM):
     expert_block = "mlp"
-    expert_projections: ClassVar[dict[str, tuple[str, int]]] = {
-        "gate_proj": ("w13", 0),
-        "up_proj": ("w13", 1),
-        "down_proj": ("w2", 0),
-    }
+    expert_projections: ClassVar[dict[str, tuple[str, int]]] = (
+        Qwen3MoeForCausalLM.expert_projections  # the same per-expert names
+    )
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, ep: ExpertParallel | None = None
