@@ -12,16 +12,21 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.kvstore.hashing import block_hashes, hash_root
-from tests.support.prefix_counters import WORKERS, chosen, counters, delta, reused
+from splitserve.kvstore.hashing import hash_root
+from tests.support.prefix_counters import (
+    WORKERS,
+    chosen,
+    counters,
+    reused,
+    settled_delta,
+    wait_indexed,
+)
 from tests.support.redis_process import RedisProcess
 from tests.support.server_process import REPO, ServerProcess, serve
 from tests.support.tiny_models import tiny_deepseek_v3
-from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -86,30 +91,7 @@ def cached(
 def measured(url: str, model: str, prompt: list[int]) -> tuple[str, dict]:
     before = counters(url)
     text = complete(url, model, prompt)
-    return text, settled(url, before, len(prompt))
-
-
-def settled(url: str, before: dict[tuple[str, str], float], prompt_tokens: int) -> dict:
-    """The prefill workers' counter increments once they count prompt_tokens more."""
-
-    def queried() -> float:
-        return sum(d["queries"] for d in delta(before, counters(url)).values())
-
-    wait_for(lambda: queried() >= prompt_tokens, 10, message="prompt tokens in the stats")
-    return delta(before, counters(url))
-
-
-def wait_indexed(redis_url: str, model: str, prompt: list[int], holder: str) -> None:
-    """Until the Redis index lists holder with every full block of prompt on its device."""
-    client = redis.Redis.from_url(redis_url)
-    root = hash_root(model, "float32", 16)
-    keys = [f"splitserve:kv:b:{h:016x}" for h in block_hashes(prompt, 16, root)]
-    wait_for(
-        lambda: all(client.hexists(key, f"{holder}@device") for key in keys),
-        10,
-        message=f"{len(keys)} blocks indexed for {holder}",
-    )
-    client.close()
+    return text, settled_delta(url, before, len(prompt))
 
 
 def test_turn_2_goes_to_the_holder_and_computes_only_its_new_tokens(
@@ -119,7 +101,7 @@ def test_turn_2_goes_to_the_holder_and_computes_only_its_new_tokens(
     text, d1 = measured(cached.url, checkpoint, turn1)
     assert text == expected(offline, turn1)
     holder = chosen(d1)
-    wait_indexed(redis_server.url, checkpoint, turn1, holder)
+    wait_indexed(redis_server.url, turn1, holder, hash_root(checkpoint, "float32", 16))
     turn2 = turn1 + ids(30, 11)
     text2, d2 = measured(cached.url, checkpoint, turn2)
     assert text2 == expected(offline, turn2)
@@ -151,7 +133,7 @@ def test_the_other_prefill_worker_pulls_the_latent_prefix_from_its_holder(
     _, d1 = measured(alternating.url, checkpoint, turn1)
     holder = chosen(d1)
     other = next(w for w in WORKERS if w != holder)
-    wait_indexed(redis_server.url, checkpoint, turn1, holder)
+    wait_indexed(redis_server.url, turn1, holder, hash_root(checkpoint, "float32", 16))
     turn2 = turn1 + ids(20, 22)
     text2, d2 = measured(alternating.url, checkpoint, turn2)
     assert text2 == expected(offline, turn2)
