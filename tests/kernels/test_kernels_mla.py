@@ -48,8 +48,8 @@ def test_triton_backend_deepseek_greedy_tokens_equal_torch_backend(
     read before it is written) give the torch reference's tokens."""
     _, path = tiny_deepseek_v3(smollm2_tokenizer, tmp_path / "v3")
     generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (5, 19, 40)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (5, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     tokens = {}
     for backend, fill in (("torch", 0.0), ("triton", float("nan"))):
         llm = LLM(model=path, attention_backend=backend, max_model_len=128, block_size=16)
