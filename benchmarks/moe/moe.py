@@ -154,7 +154,7 @@ def tiles(experts: int, top_k: int, hidden: int, inter: int, tokens: list[int]) 
 def hf(shape: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict[str, Any]:
     from splitserve.bench.hf_baseline import hf_throughput, load_hf_model
     from splitserve.bench.roofline import REFERENCE_CEILINGS, decode_step_bytes
-    from splitserve.engine.model_config import SHAPES
+    from splitserve.engine.shapes import SHAPES
 
     device = torch.device("cuda")
     model = load_hf_model(f"shape:{shape}", device, torch.bfloat16)

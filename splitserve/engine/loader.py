@@ -17,8 +17,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from splitserve.engine.fp8_weights import (
+    SCALE_SUFFIX,
+    ScaleIndex,
+    dequantize_block_fp8,
+    is_fp8,
+    is_scale,
+    weight_block_size,
+)
 from splitserve.engine.gguf_file import GGUFFile, read_gguf
-from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.shapes import shape_config
 from splitserve.engine.tokenizer_cache import cached_folder, gguf_tokenizer
 from splitserve.engine.tokenizer_json import json_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
@@ -61,11 +70,11 @@ _GGUF_TOP_NAMES = {
 def resolve_model(name: str) -> str:
     """An alias, a GGUF file or a Hugging Face directory -> a path on disk.
 
-    ``shape:<name>`` (e.g. ``shape:llama3-8b``) stands for random weights of a public shape.
+    ``shape:<name>`` (e.g. ``shape:llama3-8b``, ``shape:deepseek-v3?layers=4``) stands for
+    random weights of a public shape (``engine/shapes.py``).
     """
     if name.startswith(SHAPE_PREFIX):
-        if name.removeprefix(SHAPE_PREFIX) not in SHAPES:
-            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        shape_config(name.removeprefix(SHAPE_PREFIX))  # raises for an unknown one
         return name
     if name in ALIASES:
         package, filename = ALIASES[name]
@@ -157,7 +166,7 @@ def load_tokenizer(path: str, light: bool = False) -> Any:
     """The model's tokenizer. light: without transformers where that reads the same files
     (engine/tokenizer_json.py; what a worker takes), else transformers' own."""
     if is_random_shape(path):
-        return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
+        return NumericTokenizer(shape_config(path.removeprefix(SHAPE_PREFIX)).vocab_size)
     if light:
         folder = cached_folder(path) if is_gguf(path) else Path(path)
         found = json_tokenizer(folder, lambda: load_tokenizer(path))
@@ -172,7 +181,7 @@ def load_tokenizer(path: str, light: bool = False) -> Any:
 
 def load_model_config(path: str) -> ModelConfig:
     if is_random_shape(path):
-        return SHAPES[path.removeprefix(SHAPE_PREFIX)]
+        return shape_config(path.removeprefix(SHAPE_PREFIX))
     if is_gguf(path):
         file = read_gguf(path)
         names = {t.name for t in file.tensors}
@@ -282,7 +291,14 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
+    scales = ScaleIndex(files)
+    block = weight_block_size(path)
     for file in tqdm(files, desc="Loading weights", unit="file", leave=False):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if is_scale(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if is_fp8(tensor):  # DeepSeek's FP8 blocks: bfloat16 at load (fp8_weights.py)
+                    tensor = dequantize_block_fp8(tensor, scales.get(name + SCALE_SUFFIX), block)
+                yield name, tensor
