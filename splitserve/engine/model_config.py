@@ -5,10 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.engine.local_attention import (
+    GEMMA3_LOCAL_THETA,
+    GEMMA3_PATTERN,
+    LocalAttention,
+    gemma3_from_hf,
+    pattern_layers,
+)
+
 SUPPORTED_ARCHITECTURES = (
     "llama",
     "mistral",
     "qwen2",
+    "qwen3",
+    "gemma3_text",
     "mixtral",
     "qwen3_moe",
     "deepseek_v2",
@@ -108,6 +118,14 @@ class ModelConfig:
     mtp_layers: int = 0
     """Multi-token-prediction layers the checkpoint ships past the last decoder layer
     (DeepSeek-V3's ``num_nextn_predict_layers``; engine/spec/mtp.py)."""
+    local_attention: LocalAttention | None = None
+    """Layers with a sliding window of their own (Gemma 3's local layers). Unlike
+    ``sliding_window`` (a window on every layer, which the engine does not build and so
+    takes as the context's limit), these layers attend to their window at any length."""
+    attention_scale: float | None = None
+    """The softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logits / cap) (Gemma, where its config sets it)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -129,6 +147,10 @@ class ModelConfig:
         if isinstance(rope_scaling, dict):
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if rope_type == "default" else dict(rope_scaling)
+        local = None
+        if model_type == "gemma3_text":
+            _check_gemma3(cfg)
+            local, rope_theta, rope_scaling = gemma3_from_hf(cfg)
         mla = _mla_from_hf(cfg)
         if mla is not None:
             cfg = {**cfg, "head_dim": mla.qk_rope_head_dim, "num_key_value_heads": num_heads}
@@ -148,12 +170,17 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling,
             sliding_window=cfg.get("sliding_window")
-            if cfg.get("use_sliding_window", True)
+            if cfg.get("use_sliding_window", True) and local is None
             else None,
             moe=_moe_from_hf(model_type, cfg),
-            qk_norm=model_type == "qwen3_moe",
+            qk_norm=model_type in QK_NORM_TYPES,
             mla=mla,
             mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
+            local_attention=local,
+            attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+            if local
+            else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
     @classmethod
@@ -165,25 +192,54 @@ class ModelConfig:
 
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
+        head_dim = int(key("attention.key_length", hidden // num_heads))
         rope_scaling = None
         if key("rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        gemma = arch == "gemma3"
+        local, scale = None, None
+        if gemma:
+            layers = pattern_layers(int(key("block_count")), GEMMA3_PATTERN)
+            theta = float(key("rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+            local = LocalAttention(int(key("attention.sliding_window")), layers, theta)
+            # llama.cpp's rule: the 27B (62 layers) scales by hidden / heads, the others by
+            # head_dim, as their configs' query_pre_attn_scalar do.
+            scalar = hidden // num_heads if int(key("block_count")) == 62 else head_dim
+            scale = scalar**-0.5
         return cls(
-            architecture=arch,
+            architecture="gemma3_text" if gemma else arch,
             vocab_size=int(key("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
             num_layers=int(key("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-            head_dim=int(key("attention.key_length", hidden // num_heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length", 2048)),
             tie_word_embeddings=not has_output_tensor,
             attention_bias=arch == "qwen2",
             rope_scaling=rope_scaling,
+            qk_norm=gemma,
+            local_attention=local,
+            attention_scale=scale,
+            final_logit_softcapping=key("final_logit_softcapping"),
         )
+
+
+QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
+"""Families with an RMSNorm over each query and key head before rotary."""
+
+
+def _check_gemma3(cfg: dict[str, Any]) -> None:
+    """Gemma 3 settings this engine does not build: refused rather than served wrong."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("gemma3_text: attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma3_text: use_bidirectional_attention is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError("gemma3_text: only the gelu_pytorch_tanh activation is supported")
 
 
 def _mla_from_hf(cfg: dict[str, Any]) -> MLAConfig | None:

@@ -14,7 +14,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
@@ -33,9 +35,9 @@ def tiny_model(
     tokenizer: Any, path: Path, family: str = "llama", seed: int = 0, **config: Any
 ) -> tuple[Any, str]:
     """(the transformers model, its directory): BASE's shape with ``config`` on top, weights
-    drawn after ``torch.manual_seed(seed)``. Qwen2's q/k/v biases and the q/k norm weights of
-    Qwen3-MoE, which transformers starts at zero and one, are drawn too, so that they change
-    the outputs."""
+    drawn after ``torch.manual_seed(seed)``. Qwen2's q/k/v biases and the norm weights of Qwen3
+    (its q/k norms) and Gemma 3 (all of them), which transformers starts at zero or one, are
+    drawn too, so that they change the outputs."""
     import transformers
 
     config_name, model_name = FAMILIES[family]
@@ -49,11 +51,16 @@ def tiny_model(
                 attn = layer.self_attn
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if family == "qwen3_moe":
+    if family in ("qwen3", "qwen3_moe"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if family == "gemma3_text":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
     if family == "deepseek_v3":
         with torch.no_grad():
             for layer in model.model.layers[model.config.first_k_dense_replace :]:
@@ -85,6 +92,27 @@ def tiny_qwen3_moe(tokenizer: Any, path: Path) -> tuple[Any, str]:
         head_dim=32,
         num_hidden_layers=3,
     )
+
+
+def tiny_qwen3(tokenizer: Any, path: Path) -> tuple[Any, str]:
+    """Qwen3 dense: q/k norms, GQA 4:2, no biases, untied head."""
+    return tiny_model(tokenizer, path, "qwen3", seed=8, head_dim=32, num_hidden_layers=3)
+
+
+def tiny_gemma3(tokenizer: Any, path: Path, window: int = 8) -> tuple[Any, str]:
+    """Gemma 3's layout at test size: 7 layers (local but for layer 5), a sliding window of
+    ``window``, local and global rope bases 10,000 and 50,000 (the global ones linearly
+    scaled by 2), query_pre_attn_scalar 48, final logits softcapped at 30, tied embeddings,
+    every norm weight drawn."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+    }
+    return tiny_model(
+        tokenizer, path, "gemma3_text", seed=9, num_hidden_layers=7, head_dim=32,
+        num_key_value_heads=1, sliding_window=window, rope_parameters=rope,
+        query_pre_attn_scalar=48, final_logit_softcapping=30.0, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 DEEPSEEK = dict(

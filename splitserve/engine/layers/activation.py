@@ -1,4 +1,5 @@
-"""SwiGLU's activation: [T, 2 * I] laid out gate | up -> silu(gate) * up."""
+"""Gated MLP activations on [T, 2 * I] laid out gate | up: SwiGLU's silu(gate) * up, and
+GeGLU's gelu(gate) * up with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return native.silu_and_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -12,6 +12,7 @@ attends (``AttentionMetadata.verify``).
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -56,6 +57,17 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.sliding_window: int | None = None
+        """Each query attends to its last ``sliding_window`` positions, itself included
+        (None: to its whole context)."""
+
+    def configured(self, scale: float | None, sliding_window: int | None) -> AttentionBackend:
+        """A copy of this backend with another softmax scale (None: this one's) and window,
+        for the layers that differ (Gemma 3's local layers, its query_pre_attn_scalar)."""
+        other = copy.copy(self)
+        other.scale = self.scale if scale is None else scale
+        other.sliding_window = sliding_window
+        return other
 
     @abstractmethod
     def forward(
@@ -109,7 +121,8 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = meta.num_decode_tokens
-        if not (n and native.use_native(qkv) and k_cache.is_contiguous()):
+        windowed = self.sliding_window is not None  # the native kernel attends to everything
+        if windowed or not (n and native.use_native(qkv) and k_cache.is_contiguous()):
             return super().forward_qkv(qkv, positions, rotary, k_cache, v_cache, meta)
         out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
         native.decode_attention(
@@ -154,7 +167,11 @@ class TorchAttention(AttentionBackend):
         keys = gather_context(k_cache, meta.decode_block_tables)
         values = gather_context(v_cache, meta.decode_block_tables)
         length = keys.shape[1]
-        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+        index = torch.arange(length, device=q.device)[None, :]
+        lens = meta.decode_context_lens[:, None]
+        mask = index < lens
+        if self.sliding_window is not None:
+            mask &= index >= lens - self.sliding_window
         # The query heads of one KV group act as that group's "query positions".
         grouped = q.view(batch, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(
@@ -180,10 +197,17 @@ class TorchAttention(AttentionBackend):
             table = seg.block_table[None, :]
             k = gather_context(k_cache, table)[0, : seg.context_len]
             v = gather_context(v_cache, table)[0, : seg.context_len]
-        out = native.prefill_attention(q, k, v, self.scale) if native.use_native(q) else None
-        return out if out is not None else self._sdpa_prefill(q, k, v)
+        window = self.sliding_window
+        if window is not None and seg.context_len <= window:
+            window = None  # every query's window holds its whole context
+        out = None
+        if native.use_native(q) and window is None:
+            out = native.prefill_attention(q, k, v, self.scale)
+        return out if out is not None else self._sdpa_prefill(q, k, v, window)
 
-    def _sdpa_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _sdpa_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
         """torch's attention of a chunk's queries q [L, H, D] over their context's k, v
         [T, Hkv, D] (the chunk is the context's last L tokens)."""
         group = self.num_heads // self.num_kv_heads
@@ -191,20 +215,23 @@ class TorchAttention(AttentionBackend):
             # torch's CPU flash kernel takes no grouped K/V (enable_gqa falls back to the math
             # path: SmolLM2's 256-token prompt 3.2 against 1.7 ms a layer on one Zen 5 thread).
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return chunk_attention(q, k, v, self.scale)
+        return chunk_attention(q, k, v, self.scale, window)
 
 
 def chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """torch's causal attention of a chunk's queries q [L, H, D] over their context's
     k [T, Hkv, D] and v [T, Hkv, Dv], the chunk being the context's last L tokens
-    -> [L, H, Dv]."""
+    -> [L, H, Dv]. window: each query sees only its last ``window`` positions."""
     length, context = q.shape[0], k.shape[0]
     mask = None
-    if context > length:
+    if context > length or window is not None:
         positions = torch.arange(length, device=q.device)[:, None] + context - length
-        mask = torch.arange(context, device=q.device)[None, :] <= positions
+        keys = torch.arange(context, device=q.device)[None, :]
+        mask = keys <= positions
+        if window is not None:
+            mask &= keys > positions - window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],

@@ -8,8 +8,9 @@ cache pointers once and hands the whole stack to ``splitserve_decode_layers``
 the hidden states equal the module path's exactly (tests/test_native_decode.py).
 
 It applies to models whose every projection is a ``BlockLinear`` without bias, whose attention
-is the torch backend on contiguous caches, on steps of decode tokens only with fewer rows than
-any projection's measured switch to dequantized GEMMs; other steps take the modules.
+is the torch backend on contiguous caches (no sliding window, no q/k norms), on steps of decode
+tokens only with fewer rows than any projection's measured switch to dequantized GEMMs; other
+steps take the modules.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class NativeDecode:
             )
             if not all(isinstance(p, BlockLinear) for p in projections):
                 return None
-            if type(attn.backend) is not TorchAttention:
+            if type(attn.backend) is not TorchAttention or attn.backend.sliding_window:
+                return None
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3's and Gemma's q/k norms
                 return None
             if layer.input_layernorm.eps != layers[0].input_layernorm.eps:
                 return None

@@ -60,6 +60,14 @@ class TritonAttention(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._prefill: PrefillBatch | None = None
 
+    def configured(self, scale: float | None, sliding_window: int | None) -> AttentionBackend:
+        if sliding_window is not None:
+            raise ValueError(
+                "the triton attention backend has no sliding window yet: serve this model "
+                "with attention_backend: torch"
+            )
+        return super().configured(scale, sliding_window)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -6,31 +6,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from splitserve.engine.layers.attention import AttentionBackend
-from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from splitserve.engine.models.mixtral import MixtralForCausalLM, moe
-
-
-class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__(cfg, backend)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def project_qkv(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = super().project_qkv(x, residual, norm)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        tokens = qkv.shape[0]
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.kv_size)
-        return torch.cat([q, k, v], dim=-1), residual
+from splitserve.engine.models.qwen3 import Qwen3Attention
 
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):

@@ -12,14 +12,18 @@ from splitserve.engine.layers.expert_placement import ExpertParallel, GroupMembe
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.deepseek_mtp import DeepseekMTP
 from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from splitserve.engine.models.gemma3 import Gemma3ForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.mixtral import MixtralForCausalLM
+from splitserve.engine.models.qwen3 import Qwen3ForCausalLM
 from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
