@@ -1,5 +1,6 @@
 """Greedy token ids equal transformers on the same weights: SmolLM2 and tiny random models
-(Llama, Qwen2, Mistral, and the MoE families Mixtral and Qwen3-MoE)."""
+(Llama, Qwen2, Mistral, Qwen3, and the MoE families Mixtral and Qwen3-MoE; Gemma 3 in
+test_gemma3_engine.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.support.reference import assert_greedy_equal, hf_greedy
-from tests.support.tiny_models import tiny_mixtral, tiny_model, tiny_qwen3_moe
+from tests.support.tiny_models import tiny_mixtral, tiny_model, tiny_qwen3, tiny_qwen3_moe
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -115,6 +116,7 @@ TINY_BUILDERS = {
     "qwen2": _tiny_qwen2,
     "mistral": _tiny_mistral,
     "mixtral": tiny_mixtral,
+    "qwen3": tiny_qwen3,
     "qwen3_moe": tiny_qwen3_moe,
 }
 
