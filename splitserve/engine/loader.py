@@ -174,7 +174,9 @@ def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The tokenizer's end-of-sequence ids (none for a random shape's), and the end of a
     turn where the tokenizer names one (``eot_token``: engine/chat_formats.py)."""
     eos = tokenizer.eos_token_id
-    ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+    ids: tuple[int, ...] = ()
+    if eos is not None:
+        ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
     turn_end = getattr(tokenizer, "eot_token_id", None)
     return ids if turn_end is None or turn_end in ids else (*ids, int(turn_end))
 

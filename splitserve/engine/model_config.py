@@ -177,9 +177,7 @@ class ModelConfig:
             mla=mla,
             mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
             local_attention=local,
-            attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
-            if local
-            else None,
+            attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if local else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
