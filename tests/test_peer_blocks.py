@@ -100,14 +100,14 @@ def uncached(model: str) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def cluster(model: str) -> Iterator[tuple[Worker, Worker, Decode]]:
-    server, address = start_store("127.0.0.1")
+    server, address = start_store("127.0.0.1", SEALER.store_key())
     a, b = Worker("prefill-0", address, model), Worker("prefill-1", address, model)
     decode = Decode(address)
     yield a, b, decode
     for worker in (a, b):
         worker.worker.stop()
     decode.ctx.destroy(linger=0)
-    del server
+    server.close()
 
 
 def prefill(

@@ -103,7 +103,9 @@ class Deployment:
         if config.disaggregated or groups:  # the KV transport's and the groups' rendezvous
             from splitserve.kvstore.transfer import start_store
 
-            self._store, self._store_addr = start_store(_driver_host(config.server.internal_host))
+            self._store, self._store_addr = start_store(
+                _driver_host(config.server.internal_host), self.sealer.store_key()
+            )
         # Every pool's replicas are placed first and started together: their processes load
         # their engines side by side instead of one pool after the other.
         placed = [self._place(n) for n, p in config.pools.items() for _ in range(p.replicas)]
@@ -267,7 +269,9 @@ class Deployment:
         # and the process aborted (SIGABRT) after a clean stop.
         if ray.is_initialized():
             ray.shutdown()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def local_label_totals(pools: Mapping[str, PoolConfig]) -> dict[str, float]:
