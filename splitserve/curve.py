@@ -53,7 +53,9 @@ class Gate:
         self._public = keys.public
         self._lock = threading.Lock()
         self.refused = 0
-        self._auth = ThreadAuthenticator(ctx, log=logger)
+        # A synchronous view of the same libzmq context: the handler's thread needs blocking
+        # sockets, and a zmq.asyncio.Context would give it asyncio ones.
+        self._auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=logger)
         self._auth.start()
         self._auth.configure_curve_callback(DOMAIN, credentials_provider=self)
 

@@ -25,6 +25,7 @@ from splitserve.services.api.serving import ServerState
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.metrics import Metrics
 from tests.support.fake_worker import SEALER, FakeWorker, delta
+from tests.support.fake_worker import gate as fake_gate
 from tests.support.hung_listener import hung_listener
 from tests.support.wait import wait_for_async
 
@@ -64,6 +65,7 @@ async def loop_stalls(stalls: list[float]) -> None:
 
 async def serve_through_a_hung_redis(tokenizer: Any, port: int) -> dict[str, Any]:
     ctx = zmq.asyncio.Context()
+    gate = fake_gate(ctx)
     roles = {"prefill-0": "prefill", "decode-0": "decode"}
     workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
     metrics = Metrics(MODEL)
@@ -90,6 +92,7 @@ async def serve_through_a_hung_redis(tokenizer: Any, port: int) -> dict[str, Any
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await exchange.close()
+        gate.stop()
         ctx.destroy(linger=0)
     timeouts = metrics.registry.get_sample_value(
         "splitserve:prefix_lookup_timeouts_total",

@@ -21,6 +21,7 @@ from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.transfer import StoreAddress, start_store
+from splitserve import curve
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.decode import DecodeWorker
@@ -190,7 +191,7 @@ def test_a_receiver_thread_that_raises_fails_the_worker_at_once(
         api.wait("Reserved", lambda: api.reserved("first"), 10)
         shape = [2, 2, 2, 16, 2, 16]  # the reservation's: 30 tokens in 2 blocks
         header = msg.KvHeader("first", "prefill-0", 0, 7, None, shape, "float32")
-        push = api.ctx.socket(zmq.PUSH)
+        push = curve.client(api.ctx.socket(zmq.PUSH), api.sealer.curve_keys())
         push.connect(worker.kv_addr)
         push.send(api.sealer.seal(header))
         seconds = api.wait("WorkerFailed", api.failed_workers, 10)

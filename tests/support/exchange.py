@@ -20,6 +20,7 @@ from tests.support.fake_worker import DEADLINE_S as DEADLINE_S
 from tests.support.fake_worker import SEALER as SEALER
 from tests.support.fake_worker import FakeWorker as FakeWorker
 from tests.support.fake_worker import delta as delta
+from tests.support.fake_worker import gate as fake_gate
 from tests.support.wait import wait_for_async
 
 PROMPT = [1, 2, 3]
@@ -47,6 +48,7 @@ def run(roles: dict[str, str], scenario: Scenario, migration_limit: int = 0) -> 
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
+        gate = fake_gate(ctx)
         workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
         metrics = Metrics(MODEL)
         endpoints = [w.endpoint for w in workers.values()]
@@ -61,6 +63,7 @@ def run(roles: dict[str, str], scenario: Scenario, migration_limit: int = 0) -> 
             await scenario(exchange, workers)
         finally:
             await exchange.close()
+            gate.stop()
             ctx.destroy(linger=0)
 
     asyncio.run(main())

@@ -212,6 +212,7 @@ class Deployment:
                     images=self.config.images,
                     sealer=self.sealer,
                     expert_group=expert_group,
+                    max_body_bytes=self.config.server.max_body_bytes,
                 )
             )
         )

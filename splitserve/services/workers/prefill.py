@@ -27,6 +27,7 @@ from splitserve.services.workers.base import open_transport
 from splitserve.services.workers.channels import Outgoing, TensorReceiver, TensorSender
 from splitserve.services.workers.engine_worker import EngineWorker, wire_position
 from splitserve.services.workers.image_waits import ImageWaits, split_embeddings
+from splitserve.services.workers import limits
 from splitserve.services.workers.peer_blocks import PeerFetches, gather_prefix, peer_header
 from splitserve.services.workers.slots import Slot
 
@@ -43,11 +44,7 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def _setup(self) -> None:
-        host = self.spec.bind_host
-        self._embeddings_socket = self._ctx.socket(zmq.PULL)
-        self.kv_addr = (
-            f"tcp://{host}:{self._embeddings_socket.bind_to_random_port(f'tcp://{host}')}"
-        )
+        self._embeddings_socket, self.kv_addr = self._bind(zmq.PULL, limits.HEADER_BYTES)
         self.transport = open_transport(self.spec, self.kv_addr)
         self._routes: dict[str, _Route] = {}
         self.sender = TensorSender(
