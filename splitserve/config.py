@@ -57,6 +57,12 @@ class ServerConfig:
     migration_limit: int = 3
     """How often one request may move to another worker when the one it waits on stops
     (docs/disaggregation.md); past it, or with 0, the request fails with a 503."""
+    request_timeout_s: float = 600.0
+    """Every request's deadline from its admission: past it the API server ends it with a 504
+    and frees what it holds on its workers (a lost worker or output never hangs a client)."""
+    restart_wait_s: float = 30.0
+    """How long a request waits for a worker to be restarted when every worker of a pool it
+    needs stopped (one decode worker, say), before it fails with a 503; 0: at once."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -69,6 +75,8 @@ class ServerConfig:
         _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
         _require(self.grammar_timeout_s > 0, "server.grammar_timeout_s must be positive")
         _require(self.migration_limit >= 0, "server.migration_limit must be non-negative")
+        _require(self.request_timeout_s > 0, "server.request_timeout_s must be positive")
+        _require(self.restart_wait_s >= 0, "server.restart_wait_s must be non-negative")
 
 
 @dataclass(frozen=True)

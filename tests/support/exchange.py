@@ -41,10 +41,13 @@ def failures(metrics: Metrics, worker: str, reason: str) -> float | None:
 Scenario = Callable[[RequestExchange, dict[str, FakeWorker]], Awaitable[None]]
 
 
-def run(roles: dict[str, str], scenario: Scenario, migration_limit: int = 0) -> None:
+def run(
+    roles: dict[str, str], scenario: Scenario, migration_limit: int = 0, **timing: float
+) -> None:
     """Start an exchange on these workers (id -> role), wait until every one reported in,
     and run the scenario on the exchange's event loop. migration_limit: 0 (requests on a
-    worker that stops fail) unless a test is about migration."""
+    worker that stops fail) unless a test is about migration. timing: the exchange's
+    request_timeout_s and restart_wait_s, where a test is about them."""
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
@@ -54,7 +57,9 @@ def run(roles: dict[str, str], scenario: Scenario, migration_limit: int = 0) -> 
         endpoints = [w.endpoint for w in workers.values()]
         pool = WorkerPool(endpoints, metrics, SEALER, heartbeat_timeout_s=60)
         router = Router("cache_aware", "cache_aware")
-        exchange = RequestExchange(pool, 16, metrics, router, migration_limit=migration_limit)
+        exchange = RequestExchange(
+                pool, 16, metrics, router, migration_limit=migration_limit, **timing
+            )
         exchange.start()
         try:
             for worker in workers.values():

@@ -109,6 +109,11 @@ class WorkerPool:
     def _live(self) -> list[WorkerState]:
         return [w for w in self._workers if not w.removed]
 
+    def restarting(self) -> bool:
+        """Some worker stopped and is still in the pool: its supervisor is restarting it
+        (the restarted one replaces it under its id)."""
+        return any(w.failed is not None for w in self._live())
+
     def count(self, role: str) -> int:
         """Workers of a role that are not removed (draining and failed ones included)."""
         return sum(w.endpoint.role == role for w in self._live())
