@@ -19,12 +19,14 @@ import hmac
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 DOMAIN = "splitserve"
+S = TypeVar("S", bound=zmq.Socket)
 logger = logging.getLogger("splitserve.curve")
 
 
@@ -74,7 +76,7 @@ class Gate:
         self._auth.stop()
 
 
-def server(socket: zmq.Socket, keys: CurveKeys) -> zmq.Socket:
+def server(socket: S, keys: CurveKeys) -> S:
     """Make ``socket`` (before it binds) a CURVE server that its context's Gate guards."""
     socket.curve_secretkey = keys.secret
     socket.curve_publickey = keys.public
@@ -83,7 +85,7 @@ def server(socket: zmq.Socket, keys: CurveKeys) -> zmq.Socket:
     return socket
 
 
-def client(socket: zmq.Socket, keys: CurveKeys) -> zmq.Socket:
+def client(socket: S, keys: CurveKeys) -> S:
     """Make ``socket`` (before it connects) a CURVE client of the deployment's servers."""
     socket.curve_serverkey = keys.public
     socket.curve_publickey = keys.public

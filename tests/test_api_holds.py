@@ -46,9 +46,7 @@ def test_with_its_only_worker_restarting_a_request_waits_and_continues_on_the_ne
         await w["both-0"].send(delta("a", [5], None))
         assert (await next_item(first))[1].token_ids == [5]
         exchange.worker_stopped("both-0", "its process died")
-        later = asyncio.create_task(
-            exchange.admit([("b", PROMPT, SamplingParams(max_tokens=4))])
-        )
+        later = asyncio.create_task(exchange.admit([("b", PROMPT, SamplingParams(max_tokens=4))]))
         await asyncio.sleep(0.3)  # a while with no worker at all: nothing fails
         assert not later.done() and exchange.num_admitted == 1
 

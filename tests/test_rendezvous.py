@@ -67,7 +67,7 @@ def test_holders_of_the_key_set_get_add_wait_check_and_delete(server: Rendezvous
     assert (a.check(["late", "n"]), a.check(["late", "missing"])) == (True, False)
     assert sorted(a.list_keys()) == ["late", "n"] and a.num_keys() == 2
     assert (a.delete_key("late"), a.delete_key("late"), a.num_keys()) == (True, False, 1)
-    with pytest.raises(RendezvousTimeout, match="did not answer wait within 0.5 s"):
+    with pytest.raises(RendezvousTimeout, match=r"did not answer wait within 0\.5 s"):
         a.wait(["missing"], SHORT)
 
 

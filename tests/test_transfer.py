@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from splitserve.kvstore.rendezvous import RendezvousClient
 from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError, start_store
 from tests.support.wait import wait_for

@@ -17,11 +17,11 @@ import pytest
 import torch
 import zmq
 
+from splitserve import curve
 from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.transfer import StoreAddress, start_store
-from splitserve import curve
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.decode import DecodeWorker

@@ -141,7 +141,7 @@ class RendezvousClient:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        socket = curve.client(zmq.Context.instance().socket(zmq.DEALER), store_keys(key))
+        socket: zmq.Socket = curve.client(zmq.Context.instance().socket(zmq.DEALER), store_keys(key))
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(f"tcp://{address.host}:{address.port}")
         self._socket = socket
@@ -181,7 +181,7 @@ class RendezvousClient:
         with self._lock:
             request_id = str(next(self._ids)).encode()
             self._socket.send_multipart([request_id, op, *args])
-            while self._socket.poll(seconds * 1000):
+            while self._socket.poll(int(seconds * 1000)):
                 reply = self._socket.recv_multipart()
                 if reply[0] != request_id:
                     continue  # the late answer to a request that timed out

@@ -3,7 +3,8 @@
 There is no fixed world of all workers. Each (sender, receiver) pair gets its own two-rank
 process group, created on demand from a shared rendezvous store (kvstore/rendezvous.py, which
 the service hosts) under a key naming the pair and a generation, so workers can come and go and
-a broken channel is simply replaced by the next generation. The sender is rank 0, the receiver rank 1.
+a broken channel is simply replaced by the next generation. The sender is rank 0, the
+receiver rank 1.
 
 Backends: ``nccl`` for CUDA tensors, ``gloo`` for CPU tensors, ``hccl`` for Ascend NPUs through
 torch_npu (written to its documented API, untested here), ``auto`` picks by device.

@@ -58,8 +58,8 @@ def run(
         pool = WorkerPool(endpoints, metrics, SEALER, heartbeat_timeout_s=60)
         router = Router("cache_aware", "cache_aware")
         exchange = RequestExchange(
-                pool, 16, metrics, router, migration_limit=migration_limit, **timing
-            )
+            pool, 16, metrics, router, migration_limit=migration_limit, **timing
+        )
         exchange.start()
         try:
             for worker in workers.values():

@@ -33,9 +33,9 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.prefix_lookup import PrefixLookup
 from splitserve.router.router import NoWorkerError, Route, Router
 from splitserve.services import messages as msg
+from splitserve.services.api.holds import Holds
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.inflight import InFlight
-from splitserve.services.api.holds import Holds
 from splitserve.services.api.migration import Migrations, Outcome, Submission, as_original
 from splitserve.services.api.request_group import QueueFullError, RequestGroup
 from splitserve.services.api.routing import Routing

@@ -23,11 +23,11 @@ import zmq
 from splitserve.engine.kv_handoff import Prefilled
 from splitserve.engine.vision.multimodal import ImageInput
 from splitserve.services import messages as msg
+from splitserve.services.workers import limits
 from splitserve.services.workers.base import open_transport
 from splitserve.services.workers.channels import Outgoing, TensorReceiver, TensorSender
 from splitserve.services.workers.engine_worker import EngineWorker, wire_position
 from splitserve.services.workers.image_waits import ImageWaits, split_embeddings
-from splitserve.services.workers import limits
 from splitserve.services.workers.peer_blocks import PeerFetches, gather_prefix, peer_header
 from splitserve.services.workers.slots import Slot
 
