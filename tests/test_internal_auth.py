@@ -17,9 +17,9 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import SamplingParams
-from splitserve.kvstore.rendezvous import RendezvousClient
+from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress, start_store
 from splitserve.kvstore.signed_store import ForgedValue, SignedStore
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError, start_store
+from splitserve.kvstore.transfer import KVTransport, TransferError
 from splitserve.services import messages as msg
 from splitserve.services.sealing import TAG_BYTES, Forged, Sealer
 from splitserve.services.workers.engine_worker import EngineWorker

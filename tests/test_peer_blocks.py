@@ -22,7 +22,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
+from splitserve.kvstore.rendezvous import StoreAddress, start_store
+from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import peer_name

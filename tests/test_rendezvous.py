@@ -17,9 +17,9 @@ from splitserve.kvstore.rendezvous import (
     RendezvousClient,
     RendezvousServer,
     RendezvousTimeout,
+    start_store,
     store_keys,
 )
-from splitserve.kvstore.transfer import start_store
 
 KEY = b"deployment-store-key-0123456789ab"
 SHORT = datetime.timedelta(seconds=0.5)

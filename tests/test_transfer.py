@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from splitserve.kvstore.rendezvous import RendezvousClient
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError, start_store
+from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress, start_store
+from splitserve.kvstore.transfer import KVTransport, TransferError
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from splitserve import curve
 from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import SamplingParams
-from splitserve.kvstore.transfer import StoreAddress, start_store
+from splitserve.kvstore.rendezvous import StoreAddress, start_store
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.decode import DecodeWorker

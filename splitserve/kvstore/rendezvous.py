@@ -126,6 +126,13 @@ class RendezvousServer:
         self._socket.send_multipart([peer, request_id, *frames])
 
 
+def start_store(host: str, key: bytes) -> tuple[RendezvousServer, StoreAddress]:
+    """Host the rendezvous store on a free port of ``host``, for the holders of ``key`` (the
+    deployment's store key); ``close`` the returned server when done."""
+    server = RendezvousServer(host, key)
+    return server, server.address
+
+
 class RendezvousTimeout(RuntimeError):
     """The store did not answer in time: not there, or this process lacks the store key."""
 
@@ -141,7 +148,9 @@ class RendezvousClient:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        socket: zmq.Socket = curve.client(zmq.Context.instance().socket(zmq.DEALER), store_keys(key))
+        socket: zmq.Socket = curve.client(
+            zmq.Context.instance().socket(zmq.DEALER), store_keys(key)
+        )
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(f"tcp://{address.host}:{address.port}")
         self._socket = socket

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from splitserve.kvstore.rendezvous import RendezvousClient, RendezvousServer, StoreAddress
+from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress
 from splitserve.kvstore.signed_store import SignedStore
 
 SENDER, RECEIVER = 0, 1
@@ -45,13 +45,6 @@ receiving from four prefill workers: 49,000 checks a second, 0.6 of a core); pol
 200 µs, four made them about 13% longer, one not measurably.
 A prompt's KV takes milliseconds to move and is adopted only between decode steps, so seeing
 its completion up to ~0.25 ms later delays nothing that matters."""
-
-
-def start_store(host: str, key: bytes) -> tuple[RendezvousServer, StoreAddress]:
-    """Host the rendezvous store on a free port of ``host``, for the holders of ``key`` (the
-    deployment's store key); ``close`` the returned server when done."""
-    server = RendezvousServer(host, key)
-    return server, server.address
 
 
 def pick_backend(backend: str, device: torch.device) -> str:

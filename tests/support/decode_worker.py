@@ -18,7 +18,8 @@ from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import SamplingParams
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
+from splitserve.kvstore.rendezvous import StoreAddress, start_store
+from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import Outgoing, TensorSender

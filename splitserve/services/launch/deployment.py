@@ -20,7 +20,7 @@ from splitserve.config import DeployConfig, PoolConfig
 from splitserve.services.sealing import Sealer
 
 if TYPE_CHECKING:
-    from splitserve.kvstore.transfer import StoreAddress
+    from splitserve.kvstore.rendezvous import StoreAddress
 
 OBJECT_STORE_BYTES = 128 << 20
 PROGRESS_S = 10.0
@@ -101,7 +101,7 @@ class Deployment:
         config = self.config
         groups = any(p.expert_parallel > 1 for p in config.pools.values())
         if config.disaggregated or groups:  # the KV transport's and the groups' rendezvous
-            from splitserve.kvstore.transfer import start_store
+            from splitserve.kvstore.rendezvous import start_store
 
             self._store, self._store_addr = start_store(
                 _driver_host(config.server.internal_host), self.sealer.store_key()

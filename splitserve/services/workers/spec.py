@@ -17,7 +17,7 @@ from splitserve.config import (
     TransferConfig,
 )
 from splitserve.engine.config import EngineConfig
-from splitserve.kvstore.transfer import StoreAddress
+from splitserve.kvstore.rendezvous import StoreAddress
 from splitserve.services.sealing import Sealer
 
 
