@@ -64,6 +64,12 @@ class ServerConfig:
     once: one request for more is a 400, a client past it gets 429 with Retry-After."""
     max_replicas: int = 64
     """The most replicas /admin/scale gives a pool."""
+    request_timeout_s: float = 600.0
+    """Every request's deadline from its admission: past it the API server ends it with a 504
+    and frees what it holds on its workers (a lost worker or output never hangs a client)."""
+    restart_wait_s: float = 30.0
+    """How long a request waits for a worker to be restarted when every worker of a pool it
+    needs stopped (one decode worker, say), before it fails with a 503; 0: at once."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -79,6 +85,8 @@ class ServerConfig:
         _require(self.body_timeout_s > 0, "server.body_timeout_s must be positive")
         _require(0 < self.client_share <= 1, "server.client_share must be in (0, 1]")
         _require(self.max_replicas >= 1, "server.max_replicas must be at least 1")
+        _require(self.request_timeout_s > 0, "server.request_timeout_s must be positive")
+        _require(self.restart_wait_s >= 0, "server.restart_wait_s must be non-negative")
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ PROCESS_MODULES = frozenset(
 LATE_MODULES = frozenset(
     {
         "test_api_migration",
+        "test_internal_sockets",
         "test_peer_blocks",
         "test_worker_failures",
         "test_worker_headers",

@@ -128,6 +128,8 @@ async def _serve(deployment: Deployment) -> None:
         block_size=block_size,
         prefix=PrefixLookup(index, block_size),
         migration_limit=config.server.migration_limit,
+        request_timeout_s=config.server.request_timeout_s,
+        restart_wait_s=config.server.restart_wait_s,
     )
     client.start()
     loop = asyncio.get_running_loop()
