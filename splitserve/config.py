@@ -26,6 +26,8 @@ POOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl", "hccl")
 ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 DAY_S = 24 * 3600.0
+TOOL_CALL_PARSERS = ("auto", "hermes", "deepseek_v3", "llama3_json", "mistral")
+REASONING_PARSERS = ("auto", "think", "none")
 # A pool's engine runs the deployment's model on the pool's device: its YAML cannot set them.
 ENGINE_SET_ELSEWHERE = {
     "model": "the deployment's `model`",
@@ -64,6 +66,12 @@ class ServerConfig:
     once: one request for more is a 400, a client past it gets 429 with Retry-After."""
     max_replicas: int = 64
     """The most replicas /admin/scale gives a pool."""
+    tool_call_parser: str = "auto"
+    """How tool calls of tool_choice auto are read from the output: hermes, deepseek_v3,
+    llama3_json, mistral, or auto (the format the chat template renders)."""
+    reasoning_parser: str = "auto"
+    """``<think>...</think>`` read as reasoning: auto (when the chat template has it), think
+    (always), none."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
@@ -79,6 +87,14 @@ class ServerConfig:
         _require(self.body_timeout_s > 0, "server.body_timeout_s must be positive")
         _require(0 < self.client_share <= 1, "server.client_share must be in (0, 1]")
         _require(self.max_replicas >= 1, "server.max_replicas must be at least 1")
+        _require(
+            self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"server.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        _require(
+            self.reasoning_parser in REASONING_PARSERS,
+            f"server.reasoning_parser must be one of {', '.join(REASONING_PARSERS)}",
+        )
 
 
 @dataclass(frozen=True)

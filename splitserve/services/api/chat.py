@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,9 +17,11 @@ from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.json_body import CheckedRoute
+from splitserve.services.api.output import ChoiceReader, OutputEvent, OutputFormat
 from splitserve.services.api.protocol import ChatCompletionRequest, ChatMessage
+from splitserve.services.api.reasoning import Reasoning
 from splitserve.services.api.request_group import RequestGroup
-from splitserve.services.api.tool_calls import Event, message, stream_delta
+from splitserve.services.api.tool_calls import stream_delta
 from splitserve.services.api.tools import ToolPlan
 from splitserve.services.api.vision_prompt import check_images, with_images
 from splitserve.services.messages import TokenLogprob
@@ -26,14 +29,27 @@ from splitserve.services.messages import TokenLogprob
 router = APIRouter(dependencies=[Depends(check_api_key)], route_class=CheckedRoute)
 
 
+PROMPT_TAIL_TOKENS = 8
+"""Of the rendered prompt, the last tokens read for an open ``<think>`` (reasoning.py)."""
+
+
 def render_chat(
-    tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Apply the model's chat template and tokenize, exactly as ``LLM.chat`` does; the tools
-    go to the template, which renders them if it knows how."""
+    go to the template, which renders them if it knows how, and so do the request's
+    chat_template_kwargs (``enable_thinking`` and the like)."""
     conversation = [m.template_message() for m in messages]
     ids = tokenizer.apply_chat_template(
-        conversation, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        conversation,
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **(template_kwargs or {}),
     )
     return list(ids)
 
@@ -55,68 +71,92 @@ async def constraint(
     return spec
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-    state = sv.get_state(request)
+@dataclass
+class ChatRun:
+    """A conversation submitted (chat, Responses and Messages alike): its engine requests and
+    how their output is read."""
+
+    group: RequestGroup
+    prompt: list[int]
+    tools: ToolPlan
+    prompt_tail: str
+    output: OutputFormat
+
+    def reader(self) -> ChoiceReader:
+        return self.output.reader(self.tools, self.prompt_tail)
+
+
+async def start(state: sv.ServerState, request: Request, body: ChatCompletionRequest) -> ChatRun:
+    """Check, render and submit a conversation; every refusal is an APIError."""
     sv.check_model(state, body.model)
     sv.check_n(state, body.n)
     tools = body.tool_plan
     spec = await constraint(state, body, tools)
     urls = [url for m in body.messages for url in m.image_urls()]
     images = await check_images(state, urls)
-    prompt = await asyncio.to_thread(
-        render_chat, state.tokenizer, body.messages, tools.template_tools()
-    )
+    prompt, tail = await asyncio.to_thread(_render, state.tokenizer, body, tools)
     prompt_images = None
     if images:
         prompt, prompt_images = with_images(state, prompt, images)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
     traffic = sv.traffic_class(state, request)
     group = await sv.submit(state, request, [prompt], [params], body.n, traffic, prompt_images)
+    return ChatRun(group, prompt, tools, tail, state.output)
+
+
+def _render(tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan) -> tuple[list[int], str]:
+    kwargs = body.chat_template_kwargs
+    prompt = render_chat(tokenizer, body.messages, tools.template_tools(), kwargs)
+    tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return prompt, str(tail)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+    state = sv.get_state(request)
+    run = await start(state, request, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        stream = _stream(state, body, tools, group, response_id, len(prompt))
-        return sv.GroupStream(group, stream)
-    choices = await sv.collect(request, group, body.n)
+        return sv.GroupStream(run.group, _stream(state, body, run, response_id))
+    choices = await sv.collect(request, run.group, body.n)
     return JSONResponse(
         {
             "id": response_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": [_choice(state, body, tools, i, c) for i, c in enumerate(choices)],
-            "usage": sv.usage([prompt], choices),
+            "choices": [_choice(state, body, run, i, c) for i, c in enumerate(choices)],
+            "usage": sv.usage([run.prompt], choices),
         }
     )
 
 
 def _choice(
-    state: sv.ServerState, body: ChatCompletionRequest, tools: ToolPlan, index: int, c: sv.Choice
+    state: sv.ServerState, body: ChatCompletionRequest, run: ChatRun, index: int, c: sv.Choice
 ) -> dict[str, Any]:
-    parser = tools.parser()
-    content, calls = message(parser, c.text)
+    reader = run.reader()
+    reasoning, content, calls = reader.whole(c.text)
     reply: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        reply["reasoning_content"] = reasoning or None
     if calls:
         reply["tool_calls"] = calls
     return {
         "index": index,
         "message": reply,
         "logprobs": _logprobs(state, c.logprobs, body) if body.logprobs else None,
-        "finish_reason": parser.finish_reason(c.finish_reason),
+        "finish_reason": reader.finish_reason(c.finish_reason),
     }
 
 
-def _delta(event: Event) -> dict[str, Any]:
+def _delta(event: OutputEvent) -> dict[str, Any]:
+    if isinstance(event, Reasoning):
+        return {"reasoning_content": event.text}
     return {"content": event} if isinstance(event, str) else stream_delta(event)
 
 
 async def _stream(
-    state: sv.ServerState,
-    body: ChatCompletionRequest,
-    tools: ToolPlan,
-    group: RequestGroup,
-    response_id: str,
-    prompt_len: int,
+    state: sv.ServerState, body: ChatCompletionRequest, run: ChatRun, response_id: str
 ) -> AsyncIterator[str]:
     created = int(time.time())
     usage_field = {"usage": None} if body.include_usage else {}
@@ -136,16 +176,16 @@ async def _stream(
         )
 
     completion_tokens = 0
-    parsers = [tools.parser() for _ in range(body.n)]
+    readers = [run.reader() for _ in range(body.n)]
     try:
         for i in range(body.n):
-            yield chunk(i, {"role": "assistant", "content": None if tools.forced else ""})
-        async for index, delta in group:
+            yield chunk(i, {"role": "assistant", "content": None if run.tools.forced else ""})
+        async for index, delta in run.group:
             completion_tokens += len(delta.token_ids)
-            parser = parsers[index]
-            events = parser.feed(delta.text)
+            reader = readers[index]
+            events = reader.feed(delta.text)
             if delta.finish_reason is not None:
-                events += parser.finish()
+                events += reader.finish()
             extra: dict[str, Any] = {}
             if body.logprobs and delta.logprobs:
                 extra["logprobs"] = _logprobs(state, delta.logprobs, body)
@@ -153,14 +193,14 @@ async def _stream(
             for k, item in enumerate(deltas):
                 yield chunk(index, item, **(extra if k == 0 else {}))
             if delta.finish_reason is not None:
-                yield chunk(index, {}, finish_reason=parser.finish_reason(delta.finish_reason))
+                yield chunk(index, {}, finish_reason=reader.finish_reason(delta.finish_reason))
         if body.include_usage:
-            counts = sv.usage_counts(prompt_len, completion_tokens)
+            counts = sv.usage_counts(len(run.prompt), completion_tokens)
             yield sv.usage_chunk(
                 response_id, "chat.completion.chunk", created, state.model_name, counts
             )
     finally:
-        group.close()
+        run.group.close()
 
 
 def _logprobs(

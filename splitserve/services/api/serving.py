@@ -22,6 +22,7 @@ from splitserve.services.api.constraints import ConstraintCheck
 from splitserve.services.api.errors import MAX_LOGGED_CHARS, APIError, error_body, logger
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.images import PromptImages
+from splitserve.services.api.output import OutputFormat
 from splitserve.services.api.protocol import SamplingFields
 from splitserve.services.api.request_group import EngineRequestError, QueueFullError, RequestGroup
 from splitserve.services.messages import TokenDelta, TokenLogprob
@@ -43,11 +44,14 @@ class ServerState:
     """Checks structured-output constraints before they reach a worker."""
     shares: ClientShares = field(init=False)
     """What each client holds of the admission bound."""
+    output: OutputFormat = field(init=False)
+    """How the model writes reasoning and tool calls."""
 
     def __post_init__(self) -> None:
         server = self.config.server
         self.constraints = ConstraintCheck(self.tokenizer, server.grammar_timeout_s)
         self.shares = ClientShares(server.max_queue, server.client_share)
+        self.output = OutputFormat.of(server, self.tokenizer)
 
     @property
     def model_name(self) -> str:
