@@ -11,13 +11,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.json_body import CheckedRoute
-from splitserve.services.api.output import ChoiceReader, OutputEvent, OutputFormat
+from splitserve.services.api.output import (
+    Block,
+    Blocks,
+    ChoiceReader,
+    OutputEvent,
+    OutputFormat,
+    Step,
+)
 from splitserve.services.api.protocol import ChatCompletionRequest, ChatMessage
 from splitserve.services.api.reasoning import Reasoning
 from splitserve.services.api.request_group import RequestGroup
@@ -71,6 +80,14 @@ async def constraint(
     return spec
 
 
+def conversation(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's body was turned into; what it cannot be is a 400."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
 @dataclass
 class ChatRun:
     """A conversation submitted (chat, Responses and Messages alike): its engine requests and
@@ -81,9 +98,46 @@ class ChatRun:
     tools: ToolPlan
     prompt_tail: str
     output: OutputFormat
+    thinking_asked: bool | None
 
     def reader(self) -> ChoiceReader:
-        return self.output.reader(self.tools, self.prompt_tail)
+        return self.output.reader(self.tools, self.prompt_tail, self.thinking_asked)
+
+    def ending(self, choice: sv.Choice) -> Ending:
+        """A whole single choice's ending, its output as blocks (Responses, Messages)."""
+        reader, blocks = self.reader(), Blocks()
+        blocks.feed(reader.feed(choice.text) + reader.finish())
+        blocks.close()
+        reason = reader.finish_reason(choice.finish_reason)
+        tokens = len(choice.token_ids)
+        return Ending(reason, choice.stop_reason, tokens, choice.num_cached_tokens, blocks.done)
+
+    async def steps(self) -> AsyncIterator[Step | Ending]:
+        """A single choice's output as block steps as it streams, then its ``Ending``."""
+        reader, blocks, tokens = self.reader(), Blocks(), 0
+        async for _, delta in self.group:
+            tokens += len(delta.token_ids)
+            events = reader.feed(delta.text)
+            if delta.finish_reason is None:
+                for step in blocks.feed(events):
+                    yield step
+                continue
+            for step in blocks.feed(events + reader.finish()) + blocks.close():
+                yield step
+            reason = reader.finish_reason(delta.finish_reason)
+            yield Ending(reason, delta.stop_reason, tokens, delta.num_cached_tokens, blocks.done)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a streamed single choice ended: its finish reason (``tool_calls`` for complete
+    calls), stop reason (the stop string or token), tokens, and all its blocks."""
+
+    finish_reason: str | None
+    stop_reason: str | int | None
+    output_tokens: int
+    cached_tokens: int
+    blocks: list[Block]
 
 
 async def start(state: sv.ServerState, request: Request, body: ChatCompletionRequest) -> ChatRun:
@@ -101,7 +155,7 @@ async def start(state: sv.ServerState, request: Request, body: ChatCompletionReq
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
     traffic = sv.traffic_class(state, request)
     group = await sv.submit(state, request, [prompt], [params], body.n, traffic, prompt_images)
-    return ChatRun(group, prompt, tools, tail, state.output)
+    return ChatRun(group, prompt, tools, tail, state.output, body.thinking_asked)
 
 
 def _render(tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan) -> tuple[list[int], str]:

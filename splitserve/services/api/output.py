@@ -42,12 +42,17 @@ class OutputFormat:
             reads_reasoning(server.reasoning_parser, template),
         )
 
-    def reader(self, tools: ToolPlan, prompt_tail: str) -> ChoiceReader:
+    def reader(
+        self, tools: ToolPlan, prompt_tail: str, thinking_asked: bool | None
+    ) -> ChoiceReader:
         """A reader for one choice of a request with these tools whose rendered prompt ends
-        with ``prompt_tail``. A forced call (its grammar starts the output) has no reasoning."""
+        with ``prompt_tail``; ``thinking_asked``: the request's own switch (its template's
+        ``enable_thinking``), None for the server's. A forced call (its grammar starts the
+        output) has no reasoning."""
         parser = tools.parser(PARSERS[self.tool_format])
         thinking = None
-        if self.reasoning and not tools.forced:
+        reads = self.reasoning if thinking_asked is None else thinking_asked
+        if reads and not tools.forced:
             thinking = ThinkSplitter(opened_in_prompt(prompt_tail))
         return ChoiceReader(parser, thinking)
 
@@ -95,6 +100,9 @@ class Block:
     name: str | None = None
 
 
+Step = tuple[str, Block, str]
+
+
 @dataclass
 class Blocks:
     """Events grouped into consecutive blocks, reported as steps: ("start", block, ""),
@@ -103,8 +111,8 @@ class Blocks:
     done: list[Block] = field(default_factory=list)
     current: Block | None = None
 
-    def feed(self, events: list[OutputEvent]) -> list[tuple[str, Block, str]]:
-        steps: list[tuple[str, Block, str]] = []
+    def feed(self, events: list[OutputEvent]) -> list[Step]:
+        steps: list[Step] = []
         for event in events:
             kind, text = _kind(event)
             call = event if isinstance(event, ToolCallDelta) and event.id is not None else None
@@ -119,7 +127,7 @@ class Blocks:
                 steps.append(("delta", self.current, text))
         return steps
 
-    def close(self) -> list[tuple[str, Block, str]]:
+    def close(self) -> list[Step]:
         block, self.current = self.current, None
         if block is None:
             return []

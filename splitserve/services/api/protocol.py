@@ -310,6 +310,12 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def thinking_asked(self) -> bool | None:
+        """The request's thinking switch: chat_template_kwargs' enable_thinking, if a bool."""
+        asked = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return asked if isinstance(asked, bool) else None
+
+    @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
