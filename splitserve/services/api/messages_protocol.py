@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitserve.services.api.protocol import MAX_STOP, Count
+from splitserve.services.api.responses_protocol import extensions
 from splitserve.services.api.tools import FUNCTION_NAME, MAX_TOOLS
 
 
@@ -155,6 +156,7 @@ class MessagesRequest(BaseModel):
             "top_p": self.top_p,
             "top_k": self.top_k or 0,
             "stream": self.stream,
+            **extensions(self.model_extra),
         }
         if self.tools:
             body["tools"] = [

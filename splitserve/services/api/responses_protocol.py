@@ -16,6 +16,18 @@ from splitserve.services.api.errors import field_error
 from splitserve.services.api.protocol import Count
 from splitserve.services.api.tools import FUNCTION_NAME, MAX_TOOLS
 
+EXTENSIONS = (
+    "structured_outputs",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop_token_ids",
+)
+"""Chat fields the other APIs' bodies may carry too (vLLM's extensions), passed on as given."""
+
 STATEFUL = {
     "previous_response_id": "previous_response_id: this server does not store responses; "
     "send the whole conversation in input (store: false)",
@@ -78,6 +90,11 @@ class ReasoningItem(BaseModel):
     """A reasoning item of an earlier answer: not part of the next prompt."""
 
     type: Literal["reasoning"]
+
+
+def extensions(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The EXTENSIONS among a body's extra fields."""
+    return {name: value for name, value in (extra or {}).items() if name in EXTENSIONS}
 
 
 def _item_type(value: Any) -> str:
@@ -189,6 +206,7 @@ class ResponsesRequest(BaseModel):
             "stream": self.stream,
             "user": self.user,
             "chat_template_kwargs": self._template_kwargs(),
+            **extensions(self.model_extra),
         }
         if self.tools:
             body["tools"] = [
