@@ -66,6 +66,8 @@ class ServerConfig:
     once: one request for more is a 400, a client past it gets 429 with Retry-After."""
     max_replicas: int = 64
     """The most replicas /admin/scale gives a pool."""
+    served_model_name: str | None = None
+    """The model's name in the API (None: ``model`` as written)."""
     tool_call_parser: str = "auto"
     """How tool calls of tool_choice auto are read from the output: hermes, deepseek_v3,
     llama3_json, mistral, or auto (the format the chat template renders)."""
@@ -333,15 +335,54 @@ class DeployConfig:
         return self.pools[pool].engine
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DeployConfig:
-    """Read ``path`` (default configs/local.yaml), apply ``key=value`` overrides, validate."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+) -> DeployConfig:
+    """Read ``path`` (default configs/local.yaml), apply ``key=value`` overrides, validate.
+
+    flags: dotted key -> value from the command line's vLLM-style flags, ``pools.*.`` keys
+    for every pool (``speculative`` only for decode and colocated pools). A config file given
+    as ``path`` keeps the values it sets itself; the embedded default does not. The
+    overrides come last and win over both."""
     raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG, path is None)
+    for key, value in (flags or {}).items():
+        for dotted in _each_pool(raw, key):
+            if path is None or not _is_set(raw, dotted):
+                set_dotted(raw, dotted, value)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
         set_dotted(raw, key.strip(), yaml.safe_load(value))
     return build(DeployConfig, raw, "")
+
+
+def _each_pool(raw: dict[str, Any], key: str) -> list[str]:
+    """``key``, or for ``pools.*.rest`` the key of each pool it applies to."""
+    if not key.startswith("pools.*."):
+        return [key]
+    pools = raw.get("pools")
+    if not isinstance(pools, dict) or not pools:
+        pools = {"worker": {}}
+    rest = key.removeprefix("pools.*.")
+    return [
+        f"pools.{name}.{rest}"
+        for name, pool in pools.items()
+        if rest != "speculative"
+        or not isinstance(pool, dict)
+        or pool.get("role", "both") in ("both", "decode")
+    ]
+
+
+def _is_set(raw: dict[str, Any], key: str) -> bool:
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """POST /v1/responses and POST /v1/messages (issue 46) with the official openai and anthropic
-clients against the default 1P1D deployment on SmolLM2. Each answer is compared with the chat
+clients against a 1P1D deployment on SmolLM2, started as `vllm serve` would be:
+`splitserve serve smollm2-135m-instruct --port N --api-key K --served-model-name ...` (the
+anthropic client sends its key as x-api-key). Each answer is compared with the chat
 completion of the same conversation (greedy): the two APIs are that conversation in another
 shape, streamed or not."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -13,9 +16,13 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server_process import ServerProcess
+from tests.support.server_process import ServerProcess, serve
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "smol"
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FLAGS = ("smollm2-135m-instruct", "--served-model-name", MODEL, "--api-key", KEY)
+FLAGS += ("--max-model-len", "1024", "--max-num-seqs", "16", "--enable-prefix-caching")
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -31,18 +38,29 @@ THINK = r"<think>[a-z ]{4,20}</think>[A-Z][a-z ]{4,20}\."
 
 
 @pytest.fixture(scope="module")
-def server(default_server: ServerProcess) -> ServerProcess:
-    return default_server
+def server() -> Iterator[ServerProcess]:
+    with serve(flags=FLAGS) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def oai(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.api, api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def claude(server: ServerProcess) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+def test_the_vllm_style_command_line_serves_the_model_by_its_name(
+    server: ServerProcess, oai: openai.OpenAI
+) -> None:
+    [card] = oai.models.list().data
+    assert (card.id, card.model_extra["max_model_len"]) == (MODEL, 1024)
+    assert httpx.get(f"{server.api}/models").status_code == 401
+    answer = chat(oai, ANSWER, max_tokens=4)
+    assert answer.model == MODEL and answer.usage.completion_tokens == 4
 
 
 def chat(oai: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
@@ -310,7 +328,7 @@ def test_reasoning_from_think_blocks_in_every_api(
 
 def test_errors_have_each_apis_shape(server: ServerProcess) -> None:
     no_max = {"model": MODEL, "messages": ANSWER}
-    answer = httpx.post(f"{server.url}/v1/messages", json=no_max)
+    answer = httpx.post(f"{server.url}/v1/messages", json=no_max, headers={"x-api-key": KEY})
     assert answer.status_code == 400
     body = answer.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
@@ -318,13 +336,16 @@ def test_errors_have_each_apis_shape(server: ServerProcess) -> None:
     lone = httpx.post(
         f"{server.url}/v1/messages",
         content=json.dumps({"model": MODEL, "max_tokens": 4, "messages": [LONE]}),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     assert lone.status_code == 400 and lone.json()["error"]["type"] == "invalid_request_error"
     stateful = {"model": MODEL, "input": "hi", "previous_response_id": "resp_1"}
-    answer = httpx.post(f"{server.url}/v1/responses", json=stateful)
+    answer = httpx.post(f"{server.url}/v1/responses", json=stateful, headers=AUTH)
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "previous_response_id"
     assert answer.json()["error"]["code"] == "unsupported_parameter"
     web = {"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}
-    assert httpx.post(f"{server.url}/v1/responses", json=web).status_code == 400
+    assert httpx.post(f"{server.url}/v1/responses", json=web, headers=AUTH).status_code == 400
+    unkeyed = httpx.post(f"{server.url}/v1/messages", json=no_max)
+    assert unkeyed.status_code == 401
+    assert unkeyed.json()["error"]["type"] == "authentication_error"

@@ -55,7 +55,7 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.config.model
+        return self.config.server.served_model_name or self.config.model
 
 
 def get_state(request: Request) -> ServerState:
