@@ -18,7 +18,7 @@ import yaml
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.spec.config import SpeculativeConfig
-from splitserve.typed_config import ConfigError, build, set_dotted
+from splitserve.typed_config import ConfigError, build, expand, is_set, set_dotted
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 ROLES = ("both", "prefill", "decode", "vision")
@@ -341,15 +341,18 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> DeployConfig:
     """Read ``path`` (default configs/local.yaml), apply ``key=value`` overrides, validate.
-
-    flags: dotted key -> value from the command line's vLLM-style flags, ``pools.*.`` keys
-    for every pool (``speculative`` only for decode and colocated pools). A config file given
-    as ``path`` keeps the values it sets itself; the embedded default does not. The
-    overrides come last and win over both."""
+    flags: dotted key -> value of the command line's vLLM-style flags (``pools.*.``: every
+    pool; a speculative section only decode and colocated ones); a config file given as
+    ``path`` keeps the values it sets itself. The overrides win over both."""
     raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG, path is None)
+    if flags and not raw.get("pools"):
+        raw["pools"] = {"worker": {}}
     for key, value in (flags or {}).items():
-        for dotted in _each_pool(raw, key):
-            if path is None or not _is_set(raw, dotted):
+        for dotted in expand(raw, key):
+            speculative_ok = _role(raw, dotted) in ("both", "decode")
+            if (path is None or not is_set(raw, dotted)) and (
+                not dotted.endswith(".speculative") or speculative_ok
+            ):
                 set_dotted(raw, dotted, value)
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -359,30 +362,9 @@ def load_config(
     return build(DeployConfig, raw, "")
 
 
-def _each_pool(raw: dict[str, Any], key: str) -> list[str]:
-    """``key``, or for ``pools.*.rest`` the key of each pool it applies to."""
-    if not key.startswith("pools.*."):
-        return [key]
-    pools = raw.get("pools")
-    if not isinstance(pools, dict) or not pools:
-        pools = {"worker": {}}
-    rest = key.removeprefix("pools.*.")
-    return [
-        f"pools.{name}.{rest}"
-        for name, pool in pools.items()
-        if rest != "speculative"
-        or not isinstance(pool, dict)
-        or pool.get("role", "both") in ("both", "decode")
-    ]
-
-
-def _is_set(raw: dict[str, Any], key: str) -> bool:
-    node: Any = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
+def _role(raw: dict[str, Any], dotted: str) -> Any:
+    pool = raw["pools"].get(dotted.split(".")[1]) if dotted.startswith("pools.") else None
+    return pool.get("role", "both") if isinstance(pool, dict) else "both"
 
 
 def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:
