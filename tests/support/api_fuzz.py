@@ -1,6 +1,6 @@
-"""Fuzzing a running server's OpenAI endpoints from its own OpenAPI schema (/openapi.json)
-with schemathesis: positive cases (bodies the schema allows) and negative ones (bodies it
-does not), every answer checked for a 5xx.
+"""Fuzzing a running server's endpoints (chat, completions, Responses, Messages) from its own
+OpenAPI schema (/openapi.json) with schemathesis: positive cases (bodies the schema allows)
+and negative ones (bodies it does not), every answer checked for a 5xx.
 
 The schema cannot say everything the request models check (a user message needs content, a
 tool message its tool_call_id, token ids lie in the vocabulary), so most positive bodies
@@ -19,7 +19,12 @@ from typing import Any
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-OPERATIONS = ("POST /v1/chat/completions", "POST /v1/completions")
+OPERATIONS = (
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/responses",
+    "POST /v1/messages",
+)
 MAX_NEW_TOKENS = 4
 VOCAB = 49152
 """SmolLM2's vocabulary: token ids of repaired prompts are taken modulo it."""
@@ -82,7 +87,7 @@ def _run(
 
 def prepare(body: dict[str, Any], model: str, positive: bool) -> None:
     body["model"] = model
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is None or (_number(value) and value > MAX_NEW_TOKENS):
             body[name] = MAX_NEW_TOKENS

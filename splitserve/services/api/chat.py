@@ -13,11 +13,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
+from splitserve.services.api.errors import MAX_LOGGED_CHARS, APIError
 from splitserve.services.api.json_body import CheckedRoute
 from splitserve.services.api.output import (
     Block,
@@ -158,9 +160,19 @@ async def start(state: sv.ServerState, request: Request, body: ChatCompletionReq
     return ChatRun(group, prompt, tools, tail, state.output, body.thinking_asked)
 
 
+TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, AttributeError)
+"""What a chat template raises for a conversation or variables it cannot render."""
+
+
 def _render(tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan) -> tuple[list[int], str]:
+    """The prompt and its tail; 400 when the template cannot render the request (its own
+    raise_exception, or a chat_template_kwargs value it cannot use)."""
     kwargs = body.chat_template_kwargs
-    prompt = render_chat(tokenizer, body.messages, tools.template_tools(), kwargs)
+    try:
+        prompt = render_chat(tokenizer, body.messages, tools.template_tools(), kwargs)
+    except TEMPLATE_ERRORS as exc:
+        message = f"the chat template cannot render this request: {exc}"[:MAX_LOGGED_CHARS]
+        raise APIError(400, message, param="messages", code="invalid_value") from None
     tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     return prompt, str(tail)
 
