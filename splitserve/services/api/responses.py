@@ -8,7 +8,8 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -45,25 +46,16 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     return JSONResponse(answer.response(run.ending(choice)))
 
 
+@dataclass
 class _Answer:
     """One response: its object, its items, its events."""
 
-    def __init__(
-        self,
-        state: sv.ServerState,
-        body: ResponsesRequest,
-        response_id: str,
-        created: int,
-        run: ChatRun,
-    ) -> None:
-        self.state, self.body, self.id, self.created, self.run = (
-            state,
-            body,
-            response_id,
-            created,
-            run,
-        )
-        self.sequence = itertools.count()
+    state: sv.ServerState
+    body: ResponsesRequest
+    id: str
+    created: int
+    run: ChatRun
+    sequence: Iterator[int] = field(default_factory=itertools.count)
 
     def response(self, ending: Ending | None) -> dict[str, Any]:
         """The response object: in progress (no ending yet), completed or incomplete."""
