@@ -346,6 +346,15 @@ def test_errors_have_each_apis_shape(server: ServerProcess) -> None:
     assert answer.json()["error"]["code"] == "unsupported_parameter"
     web = {"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}
     assert httpx.post(f"{server.url}/v1/responses", json=web, headers=AUTH).status_code == 400
+    unknown = {"model": "claude-x", "max_tokens": 4, "messages": ANSWER}
+    answer = httpx.post(f"{server.url}/v1/messages", json=unknown, headers=AUTH)
+    assert (answer.status_code, answer.json()) == (
+        404,
+        {
+            "type": "error",
+            "error": {"type": "not_found_error", "message": "The model `claude-x` does not exist."},
+        },
+    )
     unkeyed = httpx.post(f"{server.url}/v1/messages", json=no_max)
     assert unkeyed.status_code == 401
     assert unkeyed.json()["error"]["type"] == "authentication_error"
