@@ -256,6 +256,10 @@ def test_messages_tool_round_trip_equals_chat(
     )
     [text] = answer.content
     assert text.type == "text" and text.text == reference.choices[0].message.content
+    counted = claude.messages.count_tokens(
+        model=MODEL, messages=turns, tools=tools, system="Be brief."
+    )
+    assert counted.input_tokens == answer.usage.input_tokens == reference.usage.prompt_tokens
     assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 16
     with claude.messages.stream(
         model=MODEL,

@@ -20,6 +20,7 @@ from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import MAX_LOGGED_CHARS, APIError
+from splitserve.services.api.images import PromptImages
 from splitserve.services.api.json_body import CheckedRoute
 from splitserve.services.api.output import (
     Block,
@@ -148,16 +149,25 @@ async def start(state: sv.ServerState, request: Request, body: ChatCompletionReq
     sv.check_n(state, body.n)
     tools = body.tool_plan
     spec = await constraint(state, body, tools)
-    urls = [url for m in body.messages for url in m.image_urls()]
-    images = await check_images(state, urls)
-    prompt, tail = await asyncio.to_thread(_render, state.tokenizer, body, tools)
-    prompt_images = None
-    if images:
-        prompt, prompt_images = with_images(state, prompt, images)
+    prompt, tail, prompt_images = await rendered(state, body)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
     traffic = sv.traffic_class(state, request)
     group = await sv.submit(state, request, [prompt], [params], body.n, traffic, prompt_images)
     return ChatRun(group, prompt, tools, tail, state.output, body.thinking_asked)
+
+
+async def rendered(
+    state: sv.ServerState, body: ChatCompletionRequest
+) -> tuple[list[int], str, PromptImages | None]:
+    """The conversation's prompt as the model reads it (its images' tokens in place), the
+    text of its last tokens, and the images."""
+    urls = [url for m in body.messages for url in m.image_urls()]
+    images = await check_images(state, urls)
+    prompt, tail = await asyncio.to_thread(_render, state.tokenizer, body, body.tool_plan)
+    if not images:
+        return prompt, tail, None
+    prompt, prompt_images = with_images(state, prompt, images)
+    return prompt, tail, prompt_images
 
 
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, AttributeError)

@@ -1,6 +1,6 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status;
-on Anthropic's path (/v1/messages) Anthropic's shape, ``{"type": "error", "error": {"type",
-"message"}}``, its type named by the status.
+on Anthropic's paths (/v1/messages and below) Anthropic's shape, ``{"type": "error",
+"error": {"type", "message"}}``, its type named by the status.
 
 Every failure path of the app ends here, so a bad request gets a clear answer and the
 server keeps serving.
@@ -77,7 +77,7 @@ def anthropic_body(exc: APIError) -> dict[str, Any]:
 
 def error_response(exc: APIError, path: str = "") -> JSONResponse:
     """The error as the API at ``path`` shapes it."""
-    if path.rstrip("/") == ANTHROPIC_PATH:
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
         body = anthropic_body(exc)
     else:
         body = error_body(exc.message, exc.type, exc.param, exc.code)

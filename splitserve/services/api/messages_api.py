@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse
 
 from splitserve.services.api import serving as sv
 from splitserve.services.api.auth import check_api_key
-from splitserve.services.api.chat import ChatRun, Ending, conversation, start
+from splitserve.services.api.chat import ChatRun, Ending, conversation, rendered, start
 from splitserve.services.api.errors import APIError, anthropic_body
 from splitserve.services.api.json_body import CheckedRoute
-from splitserve.services.api.messages_protocol import MessagesRequest
+from splitserve.services.api.messages_protocol import MessagesRequest, TokenCountRequest
 from splitserve.services.api.output import Block, Step
 
 router = APIRouter(dependencies=[Depends(check_api_key)], route_class=CheckedRoute)
@@ -49,6 +49,16 @@ async def create_message(body: MessagesRequest, request: Request) -> Any:
     return JSONResponse(
         {**message, "content": [_content(b, b.text) for b in ending.blocks], **_stop(ending)}
     )
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: TokenCountRequest, request: Request) -> Any:
+    """The prompt's tokens, as the message would count them in usage.input_tokens."""
+    state = sv.get_state(request)
+    chat = conversation(body.chat_body())
+    sv.check_model(state, chat.model)
+    prompt, _, _ = await rendered(state, chat)
+    return JSONResponse({"input_tokens": len(prompt)})
 
 
 def _message(state: sv.ServerState, run: ChatRun, message_id: str, ending: Ending | None) -> dict:

@@ -187,3 +187,9 @@ class MessagesRequest(BaseModel):
         for message in self.messages:
             messages += message.chat_messages()
         return messages
+
+
+class TokenCountRequest(MessagesRequest):
+    """/v1/messages/count_tokens: a message body without max_tokens."""
+
+    max_tokens: Count = 1
