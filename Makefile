@@ -36,8 +36,8 @@ lint: install
 	$(VENV)/bin/mypy
 	$(PY) tools/check_layout.py splitserve
 
-# 250 positive and 250 negative schemathesis cases per endpoint (2,000 in all over chat,
-# completions, Responses and Messages, random each run)
+# 250 positive and 250 negative schemathesis cases per endpoint (2,500 in all over chat,
+# completions, Responses, Messages and count_tokens, random each run)
 # against a real 1P1D deployment: no 5xx, no worker failure, the server serves after.
 fuzz: install
 	SPLITSERVE_FUZZ_CASES=250 $(VENV)/bin/pytest -q tests/test_api_fuzz.py

@@ -1,6 +1,6 @@
-"""Fuzzing a running server's endpoints (chat, completions, Responses, Messages) from its own
-OpenAPI schema (/openapi.json) with schemathesis: positive cases (bodies the schema allows)
-and negative ones (bodies it does not), every answer checked for a 5xx.
+"""Fuzzing a running server's endpoints (chat, completions, Responses, Messages and its token
+count) from its own OpenAPI schema (/openapi.json) with schemathesis: positive cases (bodies
+the schema allows) and negative ones (bodies it does not), every answer checked for a 5xx.
 
 The schema cannot say everything the request models check (a user message needs content, a
 tool message its tool_call_id, token ids lie in the vocabulary), so most positive bodies
@@ -24,6 +24,7 @@ OPERATIONS = (
     "POST /v1/completions",
     "POST /v1/responses",
     "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
 )
 MAX_NEW_TOKENS = 4
 VOCAB = 49152
