@@ -61,7 +61,9 @@ async def count_tokens(body: TokenCountRequest, request: Request) -> Any:
     return JSONResponse({"input_tokens": len(prompt)})
 
 
-def _message(state: sv.ServerState, run: ChatRun, message_id: str, ending: Ending | None) -> dict:
+def _message(
+    state: sv.ServerState, run: ChatRun, message_id: str, ending: Ending | None
+) -> dict[str, Any]:
     usage = {
         "input_tokens": len(run.prompt),
         "output_tokens": ending.output_tokens if ending else 0,
