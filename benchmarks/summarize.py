@@ -73,7 +73,7 @@ def main(paths: list[str]) -> int:
             lines = offline_table(result)
         elif "runs" in result and "config" in result:
             lines = serve_table(Path(path).stem, result)
-        else:  # llama.cpp's runs and the comparison: cpu_versus_llamacpp.py prints those
+        else:  # llama.cpp's runs and the comparison: cpu/versus_llamacpp.py prints those
             continue
         print("\n".join(lines) + "\n")
     return 0

@@ -63,6 +63,7 @@ PROCESS_MODULES = frozenset(
         "test_api_responses_messages",
         "test_deploy_placement",
         "test_deploy_scale",
+        "test_deepseek_serving",
         "test_disagg_2p1d",
         "test_disagg_chaos",
         "test_disagg_e2e",

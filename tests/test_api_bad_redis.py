@@ -13,24 +13,14 @@ from typing import Any
 
 import httpx
 import redis
-import zmq.asyncio
 
 from splitserve.config import DeployConfig
 from splitserve.kvstore.hashing import block_hashes
 from splitserve.kvstore.redis_index import RedisPrefixIndex
-from splitserve.router.prefix_lookup import PrefixLookup
-from splitserve.router.router import Router
-from splitserve.services.api.app import build_app
 from splitserve.services.api.chat import render_chat
-from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.protocol import ChatMessage
-from splitserve.services.api.serving import ServerState
-from splitserve.services.api.worker_pool import WorkerPool
-from splitserve.services.metrics import Metrics
-from tests.support.fake_worker import SEALER, FakeWorker
+from tests.support.api_harness import MODEL, ONE_PAIR, ROOT, answer_at_once, api_over_fake_workers
 from tests.support.redis_process import RedisProcess
-from tests.support.wait import wait_for_async
-from tests.test_api_hung_redis import MODEL, ROOT, answer
 
 TEXT = "Tell me about the sea. " * 8
 """Long enough for several blocks of 16 tokens."""
@@ -43,39 +33,16 @@ async def serve_over_malformed_entries(tokenizer: Any, url: str) -> dict[str, An
     client = redis.Redis.from_url(url)
     for key in keys:  # issue 48's HSET splitserve:kv:b:<hash> x@device notafloat
         client.hset(key, "prefill-0@device", "notafloat")
-    ctx = zmq.asyncio.Context()
-    roles = {"prefill-0": "prefill", "decode-0": "decode"}
-    workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
-    metrics = Metrics(MODEL)
-    pool = WorkerPool([w.endpoint for w in workers.values()], metrics, SEALER, 60.0)
     index = RedisPrefixIndex(url, ttl_s=60.0, namespace=namespace)
-    router = Router("cache_aware", "cache_aware")
-    exchange = RequestExchange(pool, 64, metrics, router, 16, PrefixLookup(index, 16))
-    exchange.start()
-    state = ServerState(DeployConfig(), tokenizer, exchange, metrics, 2048)
-    task = asyncio.create_task(answer(workers["prefill-0"], workers["decode-0"]))
-    try:
-        for worker in workers.values():
-            await worker.heartbeat(hash_root=ROOT)
-        await wait_for_async(lambda: pool.ready, 5.0, message="both workers reported in")
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
-            results = [await send(http) for _ in range(3)]
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await exchange.close()
-        ctx.destroy(linger=0)
-    labels = {"model_name": MODEL, "pool": "api", "worker": "api"}
+    async with api_over_fake_workers(
+        DeployConfig(), tokenizer, ONE_PAIR, index, answer_at_once, ROOT
+    ) as api:
+        results = [await send(api.http) for _ in range(3)]
     return {
         "results": results,
         "blocks": len(keys),
-        "malformed": metrics.registry.get_sample_value(
-            "splitserve:prefix_index_malformed_total", labels
-        ),
-        "timeouts": metrics.registry.get_sample_value(
-            "splitserve:prefix_lookup_timeouts_total", labels
-        ),
+        "malformed": api.counter("prefix_index_malformed"),
+        "timeouts": api.counter("prefix_lookup_timeouts"),
     }
 
 

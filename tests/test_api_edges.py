@@ -12,24 +12,19 @@ from typing import Any
 
 import httpx
 import pytest
-import zmq.asyncio
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
 from splitserve.config import DeployConfig, ServerConfig
-from splitserve.router.router import Router
 from splitserve.services.api.app import build_app
 from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
-from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.json_body import CheckedRoute
 from splitserve.services.api.protocol import CompletionRequest
 from splitserve.services.api.serving import ServerState
-from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.metrics import Metrics
-from tests.support.fake_worker import SEALER, FakeWorker
+from tests.support.api_harness import MODEL, api_over_fake_workers
 from tests.support.wait import wait_for_async
 
-MODEL = "smollm2-135m-instruct"
 TIMEOUT_S = 0.3
 
 
@@ -145,39 +140,30 @@ class Tokenizer:
 async def share_outcome() -> dict[str, Any]:
     """max_queue 4, client_share 0.5: key A holds 2 (never answered), then asks for a third;
     key B asks for one; and one request of 3 prompts."""
-    ctx = zmq.asyncio.Context()
-    worker = FakeWorker(ctx, "worker-0", "both")
-    metrics = Metrics(MODEL)
-    pool = WorkerPool([worker.endpoint], metrics, SEALER, 60.0)
-    exchange = RequestExchange(pool, 4, metrics, Router(), 16, None)
-    exchange.start()
     server = ServerConfig(api_keys=("a", "b"), max_queue=4, client_share=0.5)
-    state = ServerState(DeployConfig(server=server), Tokenizer(), exchange, metrics, 2048)
     held: list[asyncio.Task[httpx.Response]] = []
-    try:
-        await worker.heartbeat()
-        await wait_for_async(lambda: pool.ready, 5.0, message="the worker reported in")
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+    async with api_over_fake_workers(
+        DeployConfig(server=server), Tokenizer(), {"worker-0": "both"}
+    ) as api:
 
-            def post(key: str, prompt: Any) -> Any:
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-                headers = {"Authorization": f"Bearer {key}"}
-                return http.post("/v1/completions", json=body, headers=headers)
+        def post(key: str, prompt: Any) -> Any:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            return api.http.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
 
+        try:
             held = [asyncio.create_task(post("a", [1, 2])) for _ in range(2)]
-            await wait_for_async(lambda: exchange.num_admitted == 2, 5.0, message="a holds 2")
+            await wait_for_async(lambda: api.exchange.num_admitted == 2, 5.0, message="a: 2")
             third = await post("a", [1, 2])
             held.append(asyncio.create_task(post("b", [1, 2])))
-            await wait_for_async(lambda: exchange.num_admitted == 3, 5.0, message="b holds 1")
+            await wait_for_async(lambda: api.exchange.num_admitted == 3, 5.0, message="b: 1")
             many = await post("b", [[1], [2], [3]])
-            return {"third": third, "many": many, "held": dict(state.shares.held)}
-    finally:
-        for task in held:
-            task.cancel()
-        await asyncio.gather(*held, return_exceptions=True)
-        await exchange.close()
-        ctx.destroy(linger=0)
+            return {"third": third, "many": many, "held": dict(api.state.shares.held)}
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
 
 
 def test_a_client_past_its_share_of_the_queue_gets_429_with_retry_after() -> None:

@@ -1,9 +1,11 @@
-"""The OpenAI endpoints fuzzed from the server's own OpenAPI schema (schemathesis, issue 16)
-against the suite's shared default deployment: no answer is a 5xx, no worker fails or
-restarts, and the server serves a normal request after.
+"""Every endpoint fuzzed from the server's own OpenAPI schema (schemathesis, issues 16 and
+48) against the suite's shared default deployment, with hostile bodies among them (a lone
+surrogate in a string, 500-970 levels of nesting: tests/support/api_fuzz.py): no answer is a
+5xx, no worker fails or restarts, and the server serves a normal request after.
 
-The suite runs FUZZ_CASES positive and as many negative cases per endpoint, the same ones
-each run (derandomized); ``make fuzz`` runs 250 of each (1,000 in all), random each time.
+The suite runs FUZZ_CASES positive cases per endpoint and as many negative ones for the 3
+that take a body, the same ones each run (derandomized); ``make fuzz`` runs 100 of each
+(1,000 in all), random each time.
 """
 
 from __future__ import annotations

@@ -11,47 +11,17 @@ import time
 from typing import Any
 
 import httpx
-import zmq.asyncio
 
 from splitserve.config import DeployConfig
-from splitserve.kvstore.hashing import hash_root
 from splitserve.kvstore.redis_index import RedisPrefixIndex
-from splitserve.router.prefix_lookup import WAIT_S, PrefixLookup
-from splitserve.router.router import Router
-from splitserve.services import messages as msg
-from splitserve.services.api.app import build_app
-from splitserve.services.api.exchange import RequestExchange
-from splitserve.services.api.serving import ServerState
-from splitserve.services.api.worker_pool import WorkerPool
-from splitserve.services.metrics import Metrics
-from tests.support.fake_worker import SEALER, FakeWorker, delta
+from splitserve.router.prefix_lookup import WAIT_S
+from tests.support.api_harness import MODEL, ONE_PAIR, ROOT, answer_at_once, api_over_fake_workers
 from tests.support.hung_listener import hung_listener
-from tests.support.wait import wait_for_async
 
-MODEL = "smollm2-135m-instruct"
-ROOT = hash_root(MODEL, "float32", 16)
 REQUESTS = 24
 SPACING_S = 0.1
 """24 requests 0.1 s apart: the index's 1 s retry interval passes twice, so the hung Redis is
 asked (and waited on, up to its 0.25 s socket timeout) again during the run."""
-
-
-async def answer(prefill: FakeWorker, decode: FakeWorker) -> None:
-    """The workers' side, at once: Reserved for each Reserve, one token for each Prefill."""
-
-    async def decode_side() -> None:
-        while True:
-            reserve = SEALER.unseal(await decode.requests.recv())
-            if isinstance(reserve, msg.Reserve):
-                await decode.send(msg.Reserved(reserve.request_id))
-
-    async def prefill_side() -> None:
-        while True:
-            computed = SEALER.unseal(await prefill.requests.recv())
-            if isinstance(computed, msg.Prefill):
-                await prefill.send(delta(computed.request_id, [42], "stop"))
-
-    await asyncio.gather(decode_side(), prefill_side())
 
 
 async def loop_stalls(stalls: list[float]) -> None:
@@ -63,39 +33,24 @@ async def loop_stalls(stalls: list[float]) -> None:
 
 
 async def serve_through_a_hung_redis(tokenizer: Any, port: int) -> dict[str, Any]:
-    ctx = zmq.asyncio.Context()
-    roles = {"prefill-0": "prefill", "decode-0": "decode"}
-    workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
-    metrics = Metrics(MODEL)
-    pool = WorkerPool([w.endpoint for w in workers.values()], metrics, SEALER, 60.0)
     index = RedisPrefixIndex(f"redis://127.0.0.1:{port}/0", ttl_s=60.0)
-    router = Router("cache_aware", "cache_aware")
-    exchange = RequestExchange(pool, 64, metrics, router, 16, PrefixLookup(index, 16))
-    exchange.start()
-    state = ServerState(DeployConfig(), tokenizer, exchange, metrics, 2048)
-    tasks = [asyncio.create_task(answer(workers["prefill-0"], workers["decode-0"]))]
     stalls: list[float] = []
-    try:
-        for worker in workers.values():
-            await worker.heartbeat(hash_root=ROOT)
-        await wait_for_async(lambda: pool.ready, 5.0, message="both workers reported in")
-        tasks.append(asyncio.create_task(loop_stalls(stalls)))
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+    async with api_over_fake_workers(
+        DeployConfig(), tokenizer, ONE_PAIR, index, answer_at_once, ROOT
+    ) as api:
+        stalling = asyncio.create_task(loop_stalls(stalls))
+        try:
             results = await asyncio.gather(
-                *(send_one(client, i * SPACING_S) for i in range(REQUESTS))
+                *(send_one(api.http, i * SPACING_S) for i in range(REQUESTS))
             )
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await exchange.close()
-        ctx.destroy(linger=0)
-    timeouts = metrics.registry.get_sample_value(
-        "splitserve:prefix_lookup_timeouts_total",
-        {"model_name": MODEL, "pool": "api", "worker": "api"},
-    )
-    return {"results": results, "max_stall": max(stalls), "timeouts": timeouts}
+        finally:
+            stalling.cancel()
+            await asyncio.gather(stalling, return_exceptions=True)
+    return {
+        "results": results,
+        "max_stall": max(stalls),
+        "timeouts": api.counter("prefix_lookup_timeouts"),
+    }
 
 
 async def send_one(client: httpx.AsyncClient, delay_s: float) -> tuple[int, str, float]:

@@ -12,7 +12,8 @@ from transformers import PreTrainedTokenizerFast
 
 from splitserve.bench import datasets
 from splitserve.bench.datasets import BenchRequest, Message
-from splitserve.bench.text import WORDS, TextSource
+from splitserve.bench.text import WORDS, Endpoint, TextSource
+from splitserve.engine.loader import NumericTokenizer
 
 WORDS_ONLY = TextSource()
 
@@ -135,3 +136,44 @@ def test_sample_len_stays_in_range() -> None:
     rng = random.Random(0)
     assert {datasets.sample_len(rng, 10, 0.0) for _ in range(10)} == {10}
     assert datasets.sample_len(rng, 1, 0.9) >= 1
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_every_generated_dataset_encodes_with_a_shape_tokenizer(endpoint: Endpoint) -> None:
+    """A random-weight shape's tokenizer reads numbers only: every dataset's prompt, rendered
+    for either endpoint, encodes to the counted length, and a shared system prompt (or an
+    earlier turn) is a shared prefix of ids, which is what prefix caching reuses."""
+    tokenizer = NumericTokenizer(vocab_size=512)
+    shape = TextSource(tokenizer)
+    random_reqs = datasets.random_dataset(shape, 3, 12, 4, 0.0, seed=0)
+    shared = datasets.shared_prefix_dataset(shape, 2, 3, 40, 8, 4, seed=0)
+    turns = datasets.multi_turn_dataset(shape, 2, 3, 10, 4, seed=0)
+    for req in [*random_reqs, *shared, *turns]:
+        ids = _server_ids(tokenizer, shape, req.messages, endpoint)
+        assert len(ids) == shape.prompt_len(req.messages, endpoint)
+        assert len(ids) == sum(len(m.content.split()) for m in req.messages)
+    assert [len(_server_ids(tokenizer, shape, r.messages, endpoint)) for r in shared] == [48] * 6
+    first, same_system = (
+        _server_ids(tokenizer, shape, shared[i].messages, endpoint) for i in (0, 2)
+    )
+    assert first[:40] == same_system[:40] and first[40:] != same_system[40:]
+    assert [len(_server_ids(tokenizer, shape, r.messages, endpoint)) for r in turns] == [
+        20, 20, 34, 34, 48, 48,  # system + user, then each turn adds a reply (4) and a user (10)
+    ]  # fmt: skip
+    earlier, later = (_server_ids(tokenizer, shape, turns[i].messages, endpoint) for i in (0, 2))
+    assert later[: len(earlier)] == earlier
+
+
+def _server_ids(
+    tokenizer: NumericTokenizer,
+    source: TextSource,
+    messages: tuple[Message, ...],
+    endpoint: Endpoint,
+) -> list[int]:
+    """The ids the API server computes from what the load generator sends."""
+    if endpoint == "completions":
+        return tokenizer.encode(source.render(messages))
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    assert isinstance(ids, list)
+    return ids

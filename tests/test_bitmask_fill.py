@@ -8,7 +8,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from benchmarks.structured_decode import SCHEMA, synthetic_vocabulary
+from benchmarks.structured.decode import SCHEMA, synthetic_vocabulary
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.engine.structured.grammar import GrammarCompiler
 from splitserve.engine.structured.matcher import RING, BatchMasks, RequestGrammar

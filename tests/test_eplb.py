@@ -187,8 +187,8 @@ def test_rebalance_at_128_ranks_stays_within_its_slots_and_levels_to_two_percent
 
 
 def test_step_costs_fit_the_expert_gemm_from_a_measurement() -> None:
-    """A gpu_moe.py gemm JSON made from known constants (10 us fixed, 2 us per expert, 0.03 us
-    per row, split over gate_up and down) gives them back; the all-to-all's stay."""
+    """moe.py gemm's JSON (benchmarks/moe/) from known constants (10 us fixed, 2 us per
+    expert, 0.03 us per row, split over gate_up and down) gives them back; the all-to-all's stay."""
     shape = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
     rows = []
     for tokens, hit in ((1, 8), (64, 126), (256, 128)):
@@ -228,7 +228,7 @@ def test_load_served_joins_each_workers_parts_and_adds_the_workers(tmp_path: Pat
 
 
 def test_step_costs_fit_the_all_to_all_from_a_measurement() -> None:
-    """gpu_ep_check.py's a2a.json made from 25 us + bytes at 100 GB/s gives both back."""
+    """benchmarks/moe/ep_check.py's a2a.json made from 25 us + bytes at 100 GB/s gives both back."""
     rows = [
         {"rows": n, "hidden": h, "us": 25.0 + n * h * 2 / 1e5}
         for h in (2048, 7168)

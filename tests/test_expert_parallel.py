@@ -11,10 +11,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EPLBConfig
 from splitserve.eplb.rebalance import rebalance
-from tests.support.ep_worker import generate_in_group, move_in_group
+from tests.support.ep_worker import move_in_group, one_engine_tokens, run_group
 from tests.support.server_process import free_port
 from tests.support.tiny_models import tiny_model
 
@@ -29,18 +28,7 @@ def test_ep2_tokens_equal_ep1(smollm2_tokenizer: Any, tmp_path: Path) -> None:
     _, path = tiny_model(
         smollm2_tokenizer, tmp_path / "mixtral", "mixtral", seed=5, num_local_experts=8
     )
-    llm = LLM(model=path, max_model_len=256, block_size=8)
-    expected = [
-        [
-            o.outputs[0].token_ids
-            for o in llm.generate(
-                prompts,
-                SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                use_tqdm=False,
-            )
-        ]
-        for prompts, n in zip(PROMPTS, MAX_TOKENS)
-    ]
+    expected = one_engine_tokens(path, PROMPTS, MAX_TOKENS)
     placement = rebalance(torch.tensor([9.0, 1, 1, 3, 1, 1, 0.5, 0.5]), 2, 3, policy="global")
     assert int((placement.slots < 0).sum()) == 1 and int(placement.replicas(8).max()) > 1
     placements = [
@@ -52,18 +40,7 @@ def test_ep2_tokens_equal_ep1(smollm2_tokenizer: Any, tmp_path: Path) -> None:
         # EPLB while generating: every 3 steps the experts move, with 2 redundant copies.
         {"eplb": EPLBConfig(interval_steps=3, redundant_experts=2)},
     ]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    args = (2, free_port(), path, PROMPTS, MAX_TOKENS, placements, results)
-    workers = [context.Process(target=generate_in_group, args=(rank, *args)) for rank in range(2)]
-    for worker in workers:
-        worker.start()
-    got = {
-        rank: (tokens, moved) for rank, tokens, moved in (results.get(timeout=120) for _ in workers)
-    }
-    for worker in workers:
-        worker.join(timeout=30)
-        assert worker.exitcode == 0
+    got = run_group(2, path, PROMPTS, MAX_TOKENS, placements)
     for rank in range(2):
         assert got[rank][0] == {0: expected[rank], 1: expected[rank], 2: expected[rank]}
     # 12 steps (rank 0's longest request) and 4 rebalances, on both ranks alike; each layer

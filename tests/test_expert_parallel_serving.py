@@ -1,11 +1,11 @@
-"""Expert-parallel decode groups in the service: the tiny Mixtral and Qwen3-MoE checkpoints served
-through one prefill worker and a decode pool of ``expert_parallel`` ranks (Gloo on CPU). The
-served text equals the offline engine's, token for token, whose greedy token ids equal
-transformers' (the near-tie rule of tests/support/reference.py). Every rank of the group
-decodes requests of its own, so the ranks' lockstep (one of them idle at times) and the prefill
-worker's KV handoff to each rank are exercised. (At EP = 1 a MoE model is served by a plain
-decode worker, the path of every dense model in the other serving tests; its MoE layers are
-the offline engine's, checked against transformers here in every case.)"""
+"""Expert-parallel decode groups in the service: the tiny Mixtral, Qwen3-MoE and DeepSeek-V3
+checkpoints served through one prefill worker and a decode pool of ``expert_parallel`` ranks
+(Gloo on CPU). The served text equals the offline engine's, token for token, whose greedy token
+ids equal transformers' (the near-tie rule of tests/support/reference.py). Every rank of the
+group decodes requests of its own, so the ranks' lockstep (one of them idle at times) and the
+prefill worker's KV handoff to each rank are exercised. (At EP = 1 a MoE model is served by a
+plain decode worker, the path of every dense model in the other serving tests; its MoE layers
+are the offline engine's, checked against transformers here in every case.)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from splitserve.cli import main as cli_main
 from splitserve.eplb.traces import load_served, load_trace
 from tests.support.reference import assert_greedy_equal, hf_greedy
 from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
-from tests.support.tiny_models import tiny_mixtral, tiny_qwen3_moe
+from tests.support.tiny_models import tiny_deepseek_v3, tiny_mixtral, tiny_qwen3_moe
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ SMALL = (
     "router.policy=least_loaded",
 )
 """Every deployment here: small CPU shares and KV pools, requests spread by load."""
-BUILDERS = {"mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
+BUILDERS = {"mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe, "deepseek_v3": tiny_deepseek_v3}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,9 @@ RECORD = "pools.decode.engine.record_expert_load=true"
         ("mixtral", 4, True),  # Mixtral at EP = 2: the next test's groups
         ("qwen3_moe", 2, True),
         ("qwen3_moe", 4, False),
+        ("deepseek_v3", 4, True),  # latent KV handed to each rank, shared experts on each
     ],
-    ids=["mixtral-ep4-eplb", "qwen3_moe-ep2-eplb", "qwen3_moe-ep4"],
+    ids=["mixtral-ep4-eplb", "qwen3_moe-ep2-eplb", "qwen3_moe-ep4", "deepseek_v3-ep4-eplb"],
 )
 def test_moe_served_1p1d_with_an_expert_parallel_decode_group_equals_transformers(
     checkpoints: dict[str, tuple[Any, str, list[list[int]]]],

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 
 COSTLY = "root ::= (a | a a | a a a)*\na ::= [a-z]* | [a-z]+ [a-z]*"
 """Issue 48's grammar: each token's mask took longer, 5 s a token by the 80th."""
-BUDGET_S = 1.0
+BUDGET_S = 0.25
+LIMIT_S = 120
+"""Its fills run at the lowest priority: on a busy machine 0.25 s of CPU can take a while."""
 
 
 def costly(max_tokens: int = 100) -> SamplingParams:
@@ -55,25 +57,25 @@ def test_a_costly_grammar_leaves_its_neighbour_its_solo_latency_and_ends_with_an
     make_llm: Callable[..., LLM],
 ) -> None:
     engine = make_llm(grammar_budget_s=BUDGET_S).engine
-    run(engine, {"warm": ("Tell me about the sea.", PLAIN)}, 60)
-    solo = run(engine, {"solo": ("Tell me about the sea.", PLAIN)}, 60)["solo"][0]
-    both = run(
-        engine,
-        {"costly": ("Write some letters.", costly()), "plain": ("Tell me about the sea.", PLAIN)},
-        60,
-    )
-    beside = both["plain"][0]
-    assert beside <= 1.5 * solo, f"{beside:.3f} s beside the costly grammar, {solo:.3f} s solo"
-    assert "costly" in both, "the costly request ran past 60 s"
-    completion = both["costly"][1].outputs[0]
-    tokens = len(completion.token_ids)
-    assert completion.finish_reason == "error"
-    assert 0 < tokens < 100
-    assert completion.stop_reason == (
-        f"the structured output constraint took more than its compute budget of 1 s (CPU time "
-        f"computing which tokens it allows) after {tokens} tokens"
-    )
-    assert completion.text.isalpha() and completion.text.islower()  # the grammar's own output
+    plain = {"plain": ("Tell me about the sea.", PLAIN)}
+    run(engine, plain, 60)  # warm: the prompt's blocks are cached for every run after
+    solo, beside, ended = [], [], []
+    for _ in range(2):  # the best of two of each: the machine is shared
+        solo.append(run(engine, plain, 60)["plain"][0])
+        both = run(engine, {"costly": ("Write some letters.", costly()), **plain}, LIMIT_S)
+        beside.append(both["plain"][0])
+        assert "costly" in both, f"the costly request ran past {LIMIT_S} s"
+        ended.append(both["costly"][1].outputs[0])
+    assert min(beside) <= 1.5 * min(solo), f"{beside} s beside the costly grammar, {solo} s solo"
+    for completion in ended:
+        tokens = len(completion.token_ids)
+        assert completion.finish_reason == "error"
+        assert 0 < tokens < 100
+        assert completion.stop_reason == (
+            f"the structured output constraint took more than its compute budget of 0.25 s "
+            f"(CPU time computing which tokens it allows) after {tokens} tokens"
+        )
+        assert completion.text.isalpha() and completion.text.islower()  # the grammar's output
 
 
 def test_masks_filled_ahead_are_the_masks_filled_in_the_step(make_llm: Callable[..., LLM]) -> None:

@@ -23,10 +23,11 @@ from tests.support.prefix_counters import (
     WORKERS,
     chosen,
     counters,
-    delta,
     prompt_ids,
     reused,
+    settled_delta,
     system_prompt,
+    wait_indexed,
 )
 from tests.support.redis_process import RedisProcess
 from tests.support.server_process import ServerProcess, metric, serve
@@ -77,35 +78,6 @@ def measured(url: str, messages: list[dict[str, str]], tokenizer: Any) -> tuple[
     return text, settled_delta(url, before, len(prompt_ids(tokenizer, messages)))
 
 
-def settled_delta(url: str, before: dict[tuple[str, str], float], prompt_tokens: int) -> dict:
-    """The counters' increments since ``before``, once the prefill workers' stats (sent every
-    0.2 s) count ``prompt_tokens`` more prompt tokens looked up."""
-
-    def queried() -> float:
-        return sum(d["queries"] for d in delta(before, counters(url)).values())
-
-    wait_for(
-        lambda: queried() >= prompt_tokens,
-        10,
-        message=lambda: f"{prompt_tokens} prompt tokens in the stats (now {queried():g})",
-    )
-    return delta(before, counters(url))
-
-
-def wait_indexed(redis_url: str, ids: list[int], holder: str) -> None:
-    """Until the Redis prefix index lists ``holder`` with every full block of ``ids`` on its
-    device (the prefill workers publish every 0.2 s here): what cache-aware routing reads."""
-    client = redis.Redis.from_url(redis_url)
-    keys = [f"splitserve:kv:b:{h:016x}" for h in block_hashes(ids, 16, ROOT)]
-    field = f"{holder}@device"
-    wait_for(
-        lambda: all(client.hexists(key, field) for key in keys),
-        10,
-        message=f"{len(keys)} blocks indexed for {field}",
-    )
-    client.close()
-
-
 def reference(llm: LLM, messages: list[dict[str, str]]) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
@@ -131,7 +103,7 @@ def test_turn_2_goes_to_turn_1_replica_and_computes_only_new_tokens(
     assert answer == reference(smollm2_llm, turn1)
     holder = chosen(d1)
     ids1 = prompt_ids(smollm2_tokenizer, turn1)
-    wait_indexed(redis_server.url, ids1, holder)
+    wait_indexed(redis_server.url, ids1, holder, ROOT)
     turn2 = [*turn1, {"role": "assistant", "content": answer}]
     turn2.append({"role": "user", "content": "And a tree?"})
     answer2, d2 = measured(server.url, turn2, smollm2_tokenizer)
@@ -155,7 +127,7 @@ def test_saturated_holder_sends_turn_2_to_other_replica_which_loads_prefix_from_
     holder = chosen(d1)
     other = next(w for w in WORKERS if w != holder)
     ids1 = prompt_ids(smollm2_tokenizer, turn1)
-    wait_indexed(redis_server.url, ids1, holder)
+    wait_indexed(redis_server.url, ids1, holder, ROOT)
     # Saturate the holder: one request that shares its prefix and adds twice as many new
     # tokens. Cache-aware routing sends it there (cheaper than computing everything on the
     # other replica), and while it runs the holder's queue exceeds turn 2's whole prompt.

@@ -18,7 +18,8 @@ from splitserve.engine.layers.moe import (
     route,
 )
 from splitserve.engine.layers.norm import RMSNorm
-from splitserve.engine.model_config import SHAPES, ModelConfig, MoEConfig
+from splitserve.engine.model_config import ModelConfig, MoEConfig
+from splitserve.engine.shapes import SHAPES
 
 
 def test_route_takes_softmax_top_k_with_and_without_renormalization() -> None:

@@ -36,7 +36,10 @@ def test_numeric_tokenizer_has_what_the_server_and_load_generator_ask_for() -> N
     assert isinstance(tokenizer, NumericTokenizer)
     assert len(tokenizer) == VOCAB
     assert tokenizer.all_special_ids == []
-    assert tokenizer.chat_template is None
+    assert tokenizer.chat_template is not None  # roles and markers write no ids
+    chat = [{"role": "system", "content": "5 17"}, {"role": "user", "content": "300"}]
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == [5, 17, 300]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == " 5 17 300"
     assert tokenizer.eos_token_id is None
     assert tokenizer.encode("5 17 300", add_special_tokens=False) == [5, 17, 300]
     assert tokenizer.decode([5, 17, 300]) == " 5 17 300"
@@ -81,3 +84,36 @@ def test_bench_serve_completes_every_request_against_a_shape_model(
     assert (record["completed"], record["failed"]) == (6, 0)
     assert record["total_input_tokens"] == 6 * 16
     assert record["total_output_tokens"] == 6 * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dataset", "endpoint", "prompts", "input_tokens"),
+    [
+        # 2 system prompts of 24 ids, each with 2 users' questions of 4: 4 prompts of 28.
+        (["shared-prefix", "--shared-prefix-num-prefixes", "2", "--shared-prefix-users", "2",
+          "--shared-prefix-system-len", "24", "--shared-prefix-question-len", "4"], "chat", 4, 112),
+        # 2 conversations of 2 turns of 6 ids (system, user), the reply 3: 12 then 21 ids.
+        (["multi-turn", "--multi-turn-conversations", "2", "--multi-turn-turns", "2",
+          "--multi-turn-turn-len", "6"], "completions", 4, 2 * 12 + 2 * 21),
+    ],
+)  # fmt: skip
+def test_bench_serve_runs_the_prefix_datasets_against_a_shape_model(
+    server: ServerProcess,
+    tmp_path: Path,
+    dataset: list[str],
+    endpoint: str,
+    prompts: int,
+    input_tokens: int,
+) -> None:
+    result = tmp_path / "serve.json"
+    command = [sys.executable, "-m", "splitserve.cli", "bench", "serve", "--dataset", *dataset]
+    command += ["--base-url", server.url, "--tokenizer", MODEL, "--endpoint", endpoint]
+    command += ["--num-prompts", str(prompts), "--output-len", "3", "--ignore-eos"]
+    command += ["--result-file", str(result), "--disable-tqdm"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads(result.read_text())
+    assert (record["completed"], record["failed"]) == (prompts, 0)
+    assert record["total_input_tokens"] == input_tokens
+    assert record["total_output_tokens"] == prompts * 3

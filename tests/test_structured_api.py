@@ -110,9 +110,18 @@ SCHEMA_OF = {"get_weather": WEATHER, "add": ADD}
 ASK_TOOL = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+GRAMMAR_BUDGET_S = 1
+COSTLY = "root ::= (a | a a | a a a)*\na ::= [a-z]* | [a-z]+ [a-z]*"
+"""Issue 48: every token's mask costs more than the last (tests/test_grammar_budget.py)."""
+
+
 @pytest.fixture(scope="module")
 def colocated() -> Iterator[ServerProcess]:
-    with serve(f"server.grammar_timeout_s={COMPILE_BOUND_S}", config="configs/colocated.yaml") as s:
+    with serve(
+        f"server.grammar_timeout_s={COMPILE_BOUND_S}",
+        f"pools.colocated.engine.grammar_budget_s={GRAMMAR_BUDGET_S}",
+        config="configs/colocated.yaml",
+    ) as s:
         yield s
 
 
@@ -490,11 +499,11 @@ BAD = [
         "structured_outputs",
         f"the regex took longer than {COMPILE_BOUND_S} s to compile",
     ),
-    (
+    (  # refused with the body, before the constraint's check (json_body.MAX_DEPTH)
         "nested_too_deeply",
         {"structured_outputs": {"json": NESTED}},
-        "structured_outputs",
-        "nested too deeply",
+        "structured_outputs.json" + ".properties.a" * 31,
+        "nested deeper than 64 levels",
     ),
     (
         "two_kinds",
@@ -578,3 +587,31 @@ def test_a_bad_constraint_or_tool_is_400_with_its_reason_and_the_next_request_su
     response = httpx.post(f"{colocated.api}/chat/completions", json=good, timeout=60)
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+def test_a_grammar_past_its_compute_budget_is_an_error_naming_it(
+    colocated: ServerProcess, stream: bool
+) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Write letters:",
+        "max_tokens": 100,
+        "min_tokens": 100,
+        "temperature": 0,
+        "structured_outputs": {"grammar": COSTLY},
+        "stream": stream,
+    }
+    response = httpx.post(f"{colocated.api}/completions", json=body, timeout=120)
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        assert response.status_code == 400
+        error = response.json()["error"]
+    assert error["code"] == "invalid_value"
+    assert error["message"].startswith(
+        f"the structured output constraint took more than its compute budget of "
+        f"{GRAMMAR_BUDGET_S} s (CPU time computing which tokens it allows) after "
+    )

@@ -7,8 +7,8 @@ engine generates from random prompts with ``record_expert_load`` on and the trac
 to ``--trace-out``). For each group size in ``--ranks`` it reports the load imbalance (max /
 mean over ranks) without and with EPLB and the modelled MoE time of a decode step. The cost
 constants are parameters (``StepCosts``); ``--gemm-costs`` fits the expert GEMM's to a
-measurement on a GPU (``benchmarks/gpu_moe.py gemm``'s JSON), ``--a2a-costs`` the
-all-to-all's (``benchmarks/gpu_ep_check.py``'s ``a2a.json``, two GPUs or more).
+measurement on a GPU (``benchmarks/moe/moe.py gemm``'s JSON), ``--a2a-costs`` the
+all-to-all's (``benchmarks/moe/ep_check.py``'s ``a2a.json``, two GPUs or more).
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gemm-costs",
         type=Path,
         default=None,
-        help="fit the expert GEMM's costs from this gpu_moe.py gemm JSON",
+        help="fit the expert GEMM's costs from this benchmarks/moe/moe.py gemm JSON",
     )
     parser.add_argument(
         "--a2a-costs",
         type=Path,
         default=None,
-        help="fit the all-to-all's costs from this gpu_ep_check.py a2a.json",
+        help="fit the all-to-all's costs from this benchmarks/moe/ep_check.py a2a.json",
     )
     parser.add_argument("--out", type=Path, default=None)
 

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from splitserve.engine.loader import SHAPE_PREFIX, is_gguf, is_random_shape
-from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.shapes import shape_config
 
 
 def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
@@ -18,7 +19,7 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     if is_random_shape(path):
-        cfg = SHAPES[path.removeprefix(SHAPE_PREFIX)]
+        cfg = shape_config(path.removeprefix(SHAPE_PREFIX))
         config_name, model_name = _HF_CLASSES[cfg.architecture]
         config = getattr(transformers, config_name)(
             vocab_size=cfg.vocab_size,
@@ -49,6 +50,8 @@ _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -59,11 +62,35 @@ def _moe_settings(cfg: ModelConfig) -> dict[str, Any]:
     settings = {"num_experts_per_tok": cfg.moe.top_k}
     if cfg.architecture == "mixtral":
         return settings | {"num_local_experts": cfg.moe.num_experts}
+    if cfg.mla is not None:
+        return settings | _deepseek_settings(cfg)
     return settings | {
         "num_experts": cfg.moe.num_experts,
         "moe_intermediate_size": cfg.moe.intermediate_size,
         "norm_topk_prob": cfg.moe.renormalize,
         "mlp_only_layers": list(cfg.moe.dense_layers),
+    }
+
+
+def _deepseek_settings(cfg: ModelConfig) -> dict[str, Any]:
+    """DeepSeek's MLA and DeepSeekMoE keys of a transformers config for a shape."""
+    moe, mla = cfg.moe, cfg.mla
+    assert moe is not None and mla is not None
+    return {
+        "n_routed_experts": moe.num_experts,
+        "moe_intermediate_size": moe.intermediate_size,
+        "n_shared_experts": moe.shared_intermediate_size // moe.intermediate_size,
+        "first_k_dense_replace": len(moe.dense_layers),
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "n_group": moe.num_groups,
+        "topk_group": moe.topk_groups,
+        "norm_topk_prob": moe.renormalize,
+        "topk_method": "group_limited_greedy" if moe.num_groups > 1 else "greedy",
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
     }
 
 

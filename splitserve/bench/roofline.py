@@ -90,21 +90,36 @@ def _onednn_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
 def matmul_params(cfg: ModelConfig, experts: float | None = None) -> int:
     """Weights touched by the transformer layers' matmuls (embeddings excluded). MoE layers
     count their router and ``experts`` experts (default: top_k, what one token multiplies)."""
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    attention = attention_params(cfg)
     dense = 3 * cfg.hidden_size * cfg.intermediate_size
     if cfg.moe is None:
         return cfg.num_layers * (attention + dense)
     moe = cfg.moe
     routed = moe.top_k if experts is None else experts
-    sparse = (
-        cfg.hidden_size * moe.num_experts + routed * 3 * cfg.hidden_size * moe.intermediate_size
-    )
+    experts_width = routed * moe.intermediate_size + moe.shared_intermediate_size
+    sparse = cfg.hidden_size * moe.num_experts + 3 * cfg.hidden_size * experts_width
     num_dense = len(moe.dense_layers)
     return round(
         cfg.num_layers * attention + num_dense * dense + (cfg.num_layers - num_dense) * sparse
     )
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention weights: q/k/v/o, or MLA's query path, latent projection,
+    kv_b_proj (W_UK and W_UV, read whole by absorbed decode too) and o_proj."""
+    hidden, mla = cfg.hidden_size, cfg.mla
+    if mla is None:
+        q = cfg.num_heads * cfg.head_dim
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return hidden * (q + 2 * kv) + q * hidden
+    heads = cfg.num_heads
+    queries = heads * mla.qk_head_dim
+    if mla.q_lora_rank is None:
+        q_path = hidden * queries
+    else:
+        q_path = hidden * mla.q_lora_rank + mla.q_lora_rank * queries
+    up = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q_path + hidden * mla.latent_dim + up + heads * mla.v_head_dim * hidden
 
 
 def active_experts(cfg: ModelConfig, batch: int) -> float:
@@ -125,6 +140,9 @@ def weight_bytes(cfg: ModelConfig, element_size: int, batch: int = 1) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
+    """K and V of every KV head, or MLA's one latent (and RoPE key), over the layers."""
+    if cfg.mla is not None:
+        return cfg.num_layers * cfg.mla.latent_dim * element_size
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
 
 
@@ -156,5 +174,7 @@ def held_weight_bytes(model: torch.nn.Module) -> int:
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     """FLOPs of one causal prefill of `tokens` tokens (logits for the last token only)."""
     linear = 2.0 * matmul_params(cfg) * tokens + 2.0 * cfg.hidden_size * cfg.vocab_size
-    attention = 2.0 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
+    mla = cfg.mla
+    dims = 2 * cfg.head_dim if mla is None else mla.qk_head_dim + mla.v_head_dim
+    attention = 2.0 * cfg.num_layers * cfg.num_heads * dims * tokens * tokens / 2
     return linear + attention

@@ -86,7 +86,7 @@ class LLMEngine:
             else None
         )
         self.sampler = Sampler(config.seed)
-        self.spec = build_speculator(config, self.model_config.vocab_size, self.max_model_len)
+        self.spec = build_speculator(config, self.runner, self.max_model_len)
         native = getattr(self.runner.model, "native_decode", None)
         if self.spec is not None and native is not None:
             self.spec.max_rows = native.max_rows - 1

@@ -17,8 +17,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from splitserve.engine.fp8_weights import (
+    SCALE_SUFFIX,
+    ScaleIndex,
+    dequantize_block_fp8,
+    is_fp8,
+    is_scale,
+    weight_block_size,
+)
 from splitserve.engine.gguf_file import GGUFFile, read_gguf
-from splitserve.engine.model_config import SHAPES, ModelConfig
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.shapes import shape_config
 from splitserve.engine.tokenizer_cache import cached_folder, gguf_tokenizer
 from splitserve.engine.tokenizer_json import json_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
@@ -61,11 +70,11 @@ _GGUF_TOP_NAMES = {
 def resolve_model(name: str) -> str:
     """An alias, a GGUF file or a Hugging Face directory -> a path on disk.
 
-    ``shape:<name>`` (e.g. ``shape:llama3-8b``) stands for random weights of a public shape.
+    ``shape:<name>`` (e.g. ``shape:llama3-8b``, ``shape:deepseek-v3?layers=4``) stands for
+    random weights of a public shape (``engine/shapes.py``).
     """
     if name.startswith(SHAPE_PREFIX):
-        if name.removeprefix(SHAPE_PREFIX) not in SHAPES:
-            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        shape_config(name.removeprefix(SHAPE_PREFIX))  # raises for an unknown one
         return name
     if name in ALIASES:
         package, filename = ALIASES[name]
@@ -94,11 +103,13 @@ class NumericTokenizer:
     as decimal numbers separated by spaces ("5 17 300"); decoding writes " 5 17 300".
 
     It has what the API server and the load generator ask of a Hugging Face tokenizer (its
-    length, the special ids, no chat template); there are no special tokens and no EOS, so a
-    request ends at its length limit."""
+    length, the special ids, a chat template); there are no special tokens and no EOS, so a
+    request ends at its length limit. Its chat template writes no roles or markers: a
+    conversation is its messages' ids one after another, so messages that share a system
+    prompt share a prefix of ids, as they do under a real template."""
 
     eos_token_id = None
-    chat_template = None
+    chat_template = "numeric: the messages' ids in order"
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -122,6 +133,26 @@ class NumericTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" {t}" for t in token_ids)
 
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        return_dict: bool = False,
+    ) -> list[int] | str:
+        """The messages' contents (text, or text parts) as ids one after another; tools and
+        the generation prompt add nothing. tokenize=False: the same ids as text."""
+        ids = [t for message in conversation for t in self.encode(_content_text(message))]
+        return ids if tokenize else self.decode(ids)
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, str):
+        return content
+    return " ".join(part["text"] for part in content if part.get("type") == "text")
+
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The tokenizer's end-of-sequence ids (none for a random shape's)."""
@@ -135,7 +166,7 @@ def load_tokenizer(path: str, light: bool = False) -> Any:
     """The model's tokenizer. light: without transformers where that reads the same files
     (engine/tokenizer_json.py; what a worker takes), else transformers' own."""
     if is_random_shape(path):
-        return NumericTokenizer(SHAPES[path.removeprefix(SHAPE_PREFIX)].vocab_size)
+        return NumericTokenizer(shape_config(path.removeprefix(SHAPE_PREFIX)).vocab_size)
     if light:
         folder = cached_folder(path) if is_gguf(path) else Path(path)
         found = json_tokenizer(folder, lambda: load_tokenizer(path))
@@ -150,7 +181,7 @@ def load_tokenizer(path: str, light: bool = False) -> Any:
 
 def load_model_config(path: str) -> ModelConfig:
     if is_random_shape(path):
-        return SHAPES[path.removeprefix(SHAPE_PREFIX)]
+        return shape_config(path.removeprefix(SHAPE_PREFIX))
     if is_gguf(path):
         file = read_gguf(path)
         names = {t.name for t in file.tensors}
@@ -260,7 +291,14 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
+    scales = ScaleIndex(files)
+    block = weight_block_size(path)
     for file in tqdm(files, desc="Loading weights", unit="file", leave=False):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if is_scale(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if is_fp8(tensor):  # DeepSeek's FP8 blocks: bfloat16 at load (fp8_weights.py)
+                    tensor = dequantize_block_fp8(tensor, scales.get(name + SCALE_SUFFIX), block)
+                yield name, tensor

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_mtp",  # the MTP layer of a deepseek_v3 checkpoint (engine/spec/mtp.py)
+)
 
 
 @dataclass(frozen=True)
@@ -20,10 +29,58 @@ class MoEConfig:
     intermediate_size: int
     renormalize: bool
     dense_layers: tuple[int, ...] = ()
+    scoring: str = "softmax"
+    """DeepSeekMoE (``layers/deepseek_moe.py``): "softmax" (V2: groups ranked by their best
+    expert) or "sigmoid" (V3: a per-expert ``e_score_correction_bias`` added for the choice
+    only, groups ranked by the sum of their two best)."""
+    num_groups: int = 1
+    topk_groups: int = 1
+    """The top_k experts come from the ``topk_groups`` best of ``num_groups`` groups."""
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+    """The shared experts beside the routed ones, as one SwiGLU MLP of this width (0: none)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError("moe top_k must be in [1, num_experts]")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe scoring must be softmax or sigmoid, not {self.scoring!r}")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError("moe groups must divide the experts, topk_groups in [1, groups]")
+
+    @property
+    def deepseek(self) -> bool:
+        """Routed like DeepSeekMoE (groups, sigmoid scores, scaling or shared experts)."""
+        return (
+            self.scoring != "softmax"
+            or self.num_groups > 1
+            or self.routed_scaling_factor != 1.0
+            or self.shared_intermediate_size > 0
+        )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, ``layers/mla.py``): queries through a
+    low-rank ``q_lora_rank`` path (None: one plain projection), keys and values from one
+    ``kv_lora_rank`` latent per token plus a ``qk_rope_head_dim`` RoPE key shared by all
+    heads; the cache keeps those two, ``latent_dim`` values a token and layer.
+    ``rope_interleave``: the checkpoint's RoPE dimensions come in (even, odd) pairs."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -46,6 +103,11 @@ class ModelConfig:
     moe: MoEConfig | None = None
     qk_norm: bool = False
     """RMSNorm over each query and key head before rotary (Qwen3)."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (DeepSeek); ``head_dim`` is then its RoPE part's."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint ships past the last decoder layer
+    (DeepSeek-V3's ``num_nextn_predict_layers``; engine/spec/mtp.py)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -67,6 +129,9 @@ class ModelConfig:
         if isinstance(rope_scaling, dict):
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if rope_type == "default" else dict(rope_scaling)
+        mla = _mla_from_hf(cfg)
+        if mla is not None:
+            cfg = {**cfg, "head_dim": mla.qk_rope_head_dim, "num_key_value_heads": num_heads}
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -87,6 +152,8 @@ class ModelConfig:
             else None,
             moe=_moe_from_hf(model_type, cfg),
             qk_norm=model_type == "qwen3_moe",
+            mla=mla,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
         )
 
     @classmethod
@@ -119,7 +186,45 @@ class ModelConfig:
         )
 
 
+def _mla_from_hf(cfg: dict[str, Any]) -> MLAConfig | None:
+    if "kv_lora_rank" not in cfg:
+        return None
+    return MLAConfig(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        # V2's checkpoints are always interleaved; V3's say so (transformers' default True).
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_moe(cfg: dict[str, Any]) -> MoEConfig:
+    """DeepSeekMoE: ``first_k_dense_replace`` dense layers, then routed and shared experts.
+    V3 scores with a sigmoid and limits by groups always; V2 with a softmax, by groups only
+    for ``topk_method: group_limited_greedy``, and never renormalizes (as transformers)."""
+    v3 = cfg["model_type"] == "deepseek_v3"
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    return MoEConfig(
+        num_experts=cfg["n_routed_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        renormalize=v3 and bool(cfg.get("norm_topk_prob", True)),
+        dense_layers=tuple(
+            range(min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"]))
+        ),
+        scoring="sigmoid" if v3 else "softmax",
+        num_groups=(cfg.get("n_group") or 1) if grouped else 1,
+        topk_groups=(cfg.get("topk_group") or 1) if grouped else 1,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        shared_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
+    )
+
+
 def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(cfg)
     if model_type == "mixtral":
         return MoEConfig(
             num_experts=cfg["num_local_experts"],
@@ -139,107 +244,3 @@ def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> MoEConfig | None:
         renormalize=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=tuple(sorted(dense)),
     )
-
-
-def _shape(**fields: Any) -> ModelConfig:
-    base: dict[str, Any] = {
-        "architecture": "llama",
-        "rms_norm_eps": 1e-5,
-        "attention_bias": False,
-        "max_position_embeddings": 8192,
-    }
-    return ModelConfig(**{**base, **fields})
-
-
-SHAPES = {
-    # Test-sized: serves end to end on a CPU in a moment (tests/test_shape_serving.py).
-    "tiny-llama": _shape(
-        max_position_embeddings=2048,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
-    # Test-sized MoE: 8 experts, top-2 (tests/test_moe_engine.py).
-    "tiny-mixtral": _shape(
-        architecture="mixtral",
-        max_position_embeddings=2048,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=96, renormalize=True),
-    ),
-    "smollm2-135m": _shape(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    ),
-    "llama3-8b": _shape(
-        max_position_embeddings=131072,
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    # Mixtral-8x7B-v0.1: 8 experts, top-2, renormalized.
-    "mixtral-8x7b": _shape(
-        architecture="mixtral",
-        max_position_embeddings=32768,
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=14336, renormalize=True),
-    ),
-    # Qwen3-30B-A3B: 128 experts of 768, top-8, renormalized; q/k norms.
-    "qwen3-30b-a3b": _shape(
-        architecture="qwen3_moe",
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_layers=48,
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768, renormalize=True),
-        qk_norm=True,
-    ),
-}

@@ -121,12 +121,10 @@ class ModelRunner:
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element
+        return self.model.kv_cache_spec().values_per_token() * self.block_size * element
 
     def _allocate_kv_cache(self) -> int:
-        cfg = self.model_config
         num_blocks = self.config.num_kv_blocks
         if num_blocks is None:
             budget = self.config.kv_cache_bytes
@@ -135,22 +133,21 @@ class ModelRunner:
                 budget = int(free * self.config.gpu_memory_utilization)
             num_blocks = max(1, budget // self.kv_bytes_per_block())
         # One block more than the block manager hands out: the scratch block of padded rows.
-        shape = (2, cfg.num_layers, num_blocks + 1, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = self.model.kv_cache_spec().shape(num_blocks + 1, self.block_size)
         # Zeroed: masked attention over never-written slots must not meet NaN bit patterns.
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for index, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache = self.kv_cache[0, index]
-            attn.v_cache = self.kv_cache[1, index]
+        self.model.bind_kv_cache(self.kv_cache)
         if self.device.type == "cpu":
             self.model.native_decode = NativeDecode.build(self.model)
         return num_blocks
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy of these blocks' K and V: [2, layers, n, block, kv_heads, dim]."""
+        """A contiguous copy of these blocks: [parts, layers, n, block, heads, dim]
+        (``kv_cache_spec.py``: K and V, or one latent)."""
         return self.kv_cache[:, :, self._tensor(block_ids)].contiguous()
 
     def blocks_to_host(self, block_ids: list[int], out: torch.Tensor | None = None) -> HostBlocks:
-        """A host copy of these blocks, one contiguous [2, layers, block, kv_heads, dim] per
+        """A host copy of these blocks, one contiguous [parts, layers, block, heads, dim] per
         block ([n, ...] in all). On CUDA the copy runs on a stream of its own into pinned
         memory (``out[:n]`` when given: a staging slab of ``kv_block_shape``) and this returns
         at once; ``HostBlocks.wait`` waits for it to land."""
@@ -182,8 +179,8 @@ class ModelRunner:
         self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.dtype)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        _, layers, _, block, heads, dim = self.kv_cache.shape
-        return (2, layers, num_blocks, block, heads, dim)
+        parts, layers, _, block, heads, dim = self.kv_cache.shape
+        return (parts, layers, num_blocks, block, heads, dim)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -231,10 +228,7 @@ class ModelRunner:
         """The step's flat inputs; appends (row, request, start, end) of the segments that
         compute image positions to image_segments."""
         verifies = [_verifies(req, n) for req, n in zip(batch.requests, batch.num_new_tokens)]
-        order = sorted(
-            range(len(batch.requests)),
-            key=lambda i: batch.num_new_tokens[i] > 1 and not verifies[i],
-        )
+        order = step_order(batch)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -295,6 +289,13 @@ class HostBlocks:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+
+
+def step_order(batch: ScheduledBatch) -> list[int]:
+    """The batch's requests in the order of their rows in a step (each request's new tokens
+    are consecutive rows): decode and verify rows first, then the prefill chunks."""
+    reqs, news = batch.requests, batch.num_new_tokens
+    return sorted(range(len(reqs)), key=lambda i: news[i] > 1 and not _verifies(reqs[i], news[i]))
 
 
 def _verifies(req: Request, num_new: int) -> bool:

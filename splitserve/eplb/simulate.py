@@ -55,7 +55,7 @@ class StepCosts:
         return gemm.max(dim=-1).values + 2 * a2a
 
     def from_gemm_measurement(self, measured: dict[str, Any]) -> StepCosts:
-        """These costs with the expert GEMM's from ``benchmarks/gpu_moe.py gemm``'s JSON (the
+        """These costs with the expert GEMM's from ``benchmarks/moe/moe.py gemm``'s JSON (the
         grouped kernel's gate_up + down device time at several token counts): time = fixed +
         experts hit x (expert bytes / bandwidth) + rows x time per row, fitted by least
         squares; bf16 experts of the measured shape, and its hidden size for the rows the
@@ -89,7 +89,7 @@ class StepCosts:
         )
 
     def from_a2a_measurement(self, measured: dict[str, Any]) -> StepCosts:
-        """These costs with the all-to-all's from ``benchmarks/gpu_ep_check.py``'s
+        """These costs with the all-to-all's from ``benchmarks/moe/ep_check.py``'s
         ``a2a.json`` (the slowest rank's time per ``all_to_all_single`` of ``rows`` bf16 rows
         of ``hidden`` values): time = latency + bytes sent / bandwidth, fitted by least
         squares."""

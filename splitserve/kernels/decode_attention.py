@@ -154,7 +154,7 @@ def choose_tiles(programs: int, device: torch.device, element_size: int) -> tupl
 
     With fewer pairs than SMs (small batches) 32-token tiles and splits down to 64 tokens
     spread one sequence over the GPU; measured on an H200 at batch 1 with a 1k context
-    (benchmarks/gpu_fastpath.py): Llama-3-8B 6.2 us per layer against 6.5 with 128-token
+    (benchmarks/gpu/fastpath.py): Llama-3-8B 6.2 us per layer against 6.5 with 128-token
     tiles, SmolLM2-135M 4.6 against 5.0. Otherwise 128-token tiles (64 for float32 caches)."""
     if programs < _num_sms(device):
         return 32, 64
@@ -264,11 +264,18 @@ def _launch(
         num_warps=num_warps, **pdl.launch_kwargs(q),
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, PAD_D=pad_d, NUM_SPLITS=splits,
-            PAD_S=triton.next_power_of_2(splits), **pdl.launch_kwargs(q),
-        )  # fmt: skip
+        merge_splits(part_out, part_lse, out)
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Flash-decoding's second launch: each head's split outputs part_out [B, H, S, PAD_D]
+    (float32) weighted by their log2-sum-exp part_lse [B, H, S] into out [B, H, D]."""
+    batch, num_heads, splits, pad_d = part_out.shape
+    _merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1),
+        HEAD_DIM=out.shape[2], PAD_D=pad_d, NUM_SPLITS=splits,
+        PAD_S=triton.next_power_of_2(splits), **pdl.launch_kwargs(out),
+    )  # fmt: skip
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -127,7 +127,7 @@ def choose_tiles(k: int, device: torch.device | None = None) -> Tiles:
     """Four columns per program (enough programs for every SM at any width the models have)
     and 1024-wide K tiles; 8 warps for short rows, 4 for long ones.
 
-    Measured on an H200 with weights streamed from memory (benchmarks/gpu_fastpath.py
+    Measured on an H200 with weights streamed from memory (benchmarks/gpu/fastpath.py
     --sweep, 34 tiles): the sweep's best for every SmolLM2-135M projection; on Llama-3-8B's
     within 1% of the best for o, down and gate|up and 5% for q|k|v.
 

@@ -70,7 +70,8 @@ class StoreListener(Protocol):
 
 
 class BlockStore:
-    """Per-node KV blocks ``[2, layers, block_size, kv_heads, head_dim]`` by block hash."""
+    """Per-node KV blocks by block hash, each ``[parts, layers, block_size, heads, dim]``
+    (K and V, or one latent: engine/kv_cache_spec.py)."""
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ POLL_S = 200e-6
 """The sleep between two completion checks of a device transfer (``KVTransport._poll``).
 
 NOTE: every check takes the GIL, which the worker's loop thread gives up at each torch call and
-then has to win back. On an H200 host (benchmarks/gpu_transfer_streams.py), a loop of eager
+then has to win back. On an H200 host (benchmarks/gpu/transfer_streams.py), a loop of eager
 steps of 300 small kernels was not measurably slower beside one transfer polled every 20 µs
 (12,500 checks a second), but its steps took 65% longer beside four at once (a decode worker
 receiving from four prefill workers: 49,000 checks a second, 0.6 of a core); polled every

@@ -98,7 +98,7 @@ class FetchBlocks:
 @dataclass(frozen=True)
 class PeerBlocks:
     """Peer -> requester: ``blocks`` leading blocks of a FetchBlocks follow on channel
-    generation as one tensor [2, layers, blocks, block_size, kv_heads, head_dim] (nothing
+    generation as one tensor [parts, layers, blocks, block_size, heads, head_dim] (nothing
     follows when blocks is 0)."""
 
     request_id: str

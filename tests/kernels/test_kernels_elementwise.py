@@ -21,7 +21,7 @@ from splitserve.kernels.rotary import rotary_embedding, rotary_embedding_ref
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # One unit in the last place of each dtype, at magnitude ~1. Triton's interpreter rounds
 # float32 -> bfloat16 by truncation (GPUs round to nearest even), so bfloat16 results may differ
-# from torch's by one unit; benchmarks/gpu_kernels.py checks bfloat16 on the GPU.
+# from torch's by one unit; benchmarks/kernels/triton_kernels.py checks bfloat16 on the GPU.
 ULP = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 

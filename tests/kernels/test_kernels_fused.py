@@ -26,7 +26,7 @@ from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
 from tests.support.tiny_models import tiny_model
 
 # Triton's interpreter computes bfloat16 dots on raw bits: bfloat16 runs on the GPU only
-# (benchmarks/gpu_fastpath.py checks it there).
+# (benchmarks/gpu/fastpath.py checks it there).
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 

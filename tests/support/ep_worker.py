@@ -100,3 +100,52 @@ def move_in_group(
         results.put((rank, held))
     finally:
         dist.destroy_process_group()
+
+
+def one_engine_tokens(
+    model: str, prompts: list[list[list[int]]], max_tokens: list[int]
+) -> list[list[list[int]]]:
+    """What one engine with every expert generates for each rank's prompts (the reference of
+    ``generate_in_group``)."""
+    from splitserve import LLM
+
+    llm = LLM(model=model, max_model_len=256, block_size=8)
+    return [
+        [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                batch,
+                SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                use_tqdm=False,
+            )
+        ]
+        for batch, n in zip(prompts, max_tokens)
+    ]
+
+
+def run_group(
+    size: int,
+    model: str,
+    prompts: list[list[list[int]]],
+    max_tokens: list[int],
+    placements: list[dict[str, Any]],
+) -> dict[int, tuple[dict[int, list[list[int]]], dict[int, tuple[int, list[Any]]]]]:
+    """``generate_in_group`` on ``size`` spawned processes of a Gloo group: rank -> (its
+    tokens, its rebalances) as each put them; every process exited 0."""
+    import torch.multiprocessing as mp
+
+    from tests.support.server_process import free_port
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    args = (size, free_port(), model, prompts, max_tokens, placements, results)
+    workers = [context.Process(target=generate_in_group, args=(r, *args)) for r in range(size)]
+    for worker in workers:
+        worker.start()
+    got = {
+        rank: (tokens, moved) for rank, tokens, moved in (results.get(timeout=180) for _ in workers)
+    }
+    for worker in workers:
+        worker.join(timeout=30)
+        assert worker.exitcode == 0
+    return got

@@ -6,6 +6,10 @@ import re
 from typing import Any
 
 import httpx
+import redis
+
+from splitserve.kvstore.hashing import block_hashes
+from tests.support.wait import wait_for
 
 WORKERS = ("prefill-0", "prefill-1")
 TIERS = ("device", "host", "disk", "remote")
@@ -65,3 +69,32 @@ def chosen(d: dict) -> str:
     workers = [w for w in WORKERS if d[w]["queries"] > 0]
     assert len(workers) == 1, d
     return workers[0]
+
+
+def settled_delta(url: str, before: dict[tuple[str, str], float], prompt_tokens: int) -> dict:
+    """The counters' increments since ``before``, once the prefill workers' stats (sent every
+    0.2 s in the tests' deployments) count ``prompt_tokens`` more prompt tokens looked up."""
+
+    def queried() -> float:
+        return sum(d["queries"] for d in delta(before, counters(url)).values())
+
+    wait_for(
+        lambda: queried() >= prompt_tokens,
+        10,
+        message=lambda: f"{prompt_tokens} prompt tokens in the stats (now {queried():g})",
+    )
+    return delta(before, counters(url))
+
+
+def wait_indexed(redis_url: str, ids: list[int], holder: str, root: int) -> None:
+    """Until the Redis prefix index lists ``holder`` with every full block of ``ids`` (block
+    hashes from ``root``, blocks of 16) on its device: what cache-aware routing reads."""
+    client = redis.Redis.from_url(redis_url)
+    keys = [f"splitserve:kv:b:{h:016x}" for h in block_hashes(ids, 16, root)]
+    field = f"{holder}@device"
+    wait_for(
+        lambda: all(client.hexists(key, field) for key in keys),
+        10,
+        message=f"{len(keys)} blocks indexed for {field}",
+    )
+    client.close()

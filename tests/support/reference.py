@@ -33,6 +33,19 @@ def hf_greedy(
     return results
 
 
+def hf_continuation(model: Any, prompt: list[int], tokens: int) -> list[int]:
+    """Greedy continuation of one unpadded prompt from transformers, EOS ignored."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def top2_gap(model: Any, context: list[int]) -> float:
     """Gap between the reference's two best logits after context (unpadded forward)."""
     with torch.no_grad():

@@ -25,7 +25,7 @@ GEMV_MAX_BYTES = 256 << 20
 SmolLM2-135M (the lm_head stays on cuBLAS: SmolLM2's 57 MB of 576-wide rows took 26.6 us on
 the GEMV against cuBLAS's 15.9, Llama-3-8B's 1 GB 231.6 against 237.2). On an
 H200 with programmatic dependent launch (``kernels/pdl.py``), weights streamed from memory
-inside a CUDA graph (benchmarks/gpu_fastpath.py): Llama-3-8B q|k|v 13.2 us against cuBLAS's
+inside a CUDA graph (benchmarks/gpu/fastpath.py): Llama-3-8B q|k|v 13.2 us against cuBLAS's
 16.7, o 8.3 against 13.7, gate|up 53.6 against 55.7, down 27.2 against 31.5; SmolLM2 1.4-2.4
 against 3.6-5.2 us. Without PDL the 235 MB gate|up lost to cuBLAS (61 against 56 us).
 

@@ -183,12 +183,16 @@ class SparseMoE(nn.Module):
     def experts(self, h: torch.Tensor) -> torch.Tensor:
         """The MoE MLP of normed tokens h [T, H] (T may be 0 on an idle expert-parallel rank)."""
         logits = dense(h, self.gate) if h.shape[0] else h.new_empty((0, self.moe.num_experts))
-        routing = route(logits, self.moe.top_k, self.moe.renormalize)
+        routing = self.route(logits)
         perm = permute(routing.experts, self.moe.num_experts)
         self.expert_load += perm.counts
         if self.ep is not None:
             return distributed_experts(self.ep, h, routing, self.w13, self.w2)
         return experts_forward(h, self.w13, self.w2, routing, perm)
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """The router's choice from its logits [T, E] (DeepSeekMoE overrides it)."""
+        return route(logits, self.moe.top_k, self.moe.renormalize)
 
     def idle(self) -> None:
         """An expert-parallel rank with no tokens: its experts still serve the others'."""

@@ -60,7 +60,7 @@ class NativeDecode:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (
-                attn.qkv_proj,
+                getattr(attn, "qkv_proj", None),  # none in latent attention
                 attn.o_proj,
                 getattr(mlp, "gate_up_proj", None),  # none in an MoE layer
                 getattr(mlp, "down_proj", None),

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.engine.kv_cache_spec import KVCacheSpec
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
 from splitserve.engine.layers.native_decode import NativeDecode
@@ -81,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         cfg: ModelConfig,
         backend: AttentionBackend,
-        attention: LlamaAttention | None = None,
+        attention: nn.Module | None = None,
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
@@ -156,6 +157,18 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What one token leaves in each layer's cache: K and V of every KV head."""
+        cfg = self.config
+        return KVCacheSpec(2, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Points each attention layer at its slices of the runner's ``kv_cache``, shaped
+        as ``kv_cache_spec`` says."""
+        for index, attn in enumerate(self.attention_layers()):
+            attn.k_cache = kv_cache[0, index]
+            attn.v_cache = kv_cache[1, index]
 
     def weight_target(self, hf_name: str) -> tuple[str, int]:
         """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice

@@ -10,6 +10,8 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.expert_placement import ExpertParallel, GroupMember
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.deepseek_mtp import DeepseekMTP
+from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.mixtral import MixtralForCausalLM
 from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -20,6 +22,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV2ForCausalLM,
+    "deepseek_mtp": DeepseekMTP,  # V3's MTP layer, the mtp drafter's model
 }
 
 

@@ -6,19 +6,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: ``ngram`` (prompt lookup, no extra model) or ``draft_model`` (``model``: a
-    smaller model with the target's tokenizer, run beside it with its own paged KV).
+    """method: ``ngram`` (prompt lookup, no extra model), ``draft_model`` (``model``: a
+    smaller model with the target's tokenizer, run beside it with its own paged KV) or
+    ``mtp`` (the target checkpoint's multi-token-prediction layer, DeepSeek-V3's, chained for
+    more than one draft; engine/spec/mtp.py).
 
     num_speculative_tokens: the most draft tokens verified per request and step.
     prompt_lookup_min / _max: n-gram lengths tried, longest first (ngram only).
     dynamic: choose each step how many tokens to verify per request from measured acceptance
     and step times (engine/spec/dynamic.py); False always proposes up to the maximum.
-    draft_kv_cache_bytes: the draft model's KV pool on CPU (on CUDA a share of the target's).
+    draft_kv_cache_bytes: the draft model's (or MTP layer's) KV pool.
     draft_seed: the seed of a random-weight draft (``shape:`` model); None: the target's, so
     a draft of the target's shape is the target (every draft accepted), another seed gives a
     draft that is almost never accepted (benchmarks of the overhead).
@@ -40,7 +42,7 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if self.method == "draft_model" and not self.model:
             raise ValueError("the draft_model method needs `model`: the draft model")
-        if self.method == "ngram" and self.model:
+        if self.method != "draft_model" and self.model:
             raise ValueError("`model` is only for the draft_model method")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")

@@ -5,10 +5,10 @@ proposes up to ``limits[i]`` tokens to follow each request's last token. The tar
 all of them in one step (engine/spec/speculator.py) and keeps the longest prefix its own
 sampling agrees with; ``release`` is called when a request leaves the engine.
 
-Drafters built: ``NgramDrafter`` (prompt lookup, engine/spec/ngram.py) and ``DraftModelDrafter``
-(a smaller model with its own paged KV, engine/spec/draft_model.py). An MTP head of the target
-would be a third: it proposes from the target's last hidden states, which ``propose`` would
-then also receive from the verify step (the runner does not return hidden states yet).
+Drafters built: ``NgramDrafter`` (prompt lookup, engine/spec/ngram.py), ``DraftModelDrafter``
+(a smaller model with its own paged KV, engine/spec/draft_model.py) and ``MTPDrafter`` (the
+target's multi-token-prediction layer, engine/spec/mtp.py), which proposes from the target's
+hidden states: ``observe`` hands it every target step.
 Drafts are deterministic (a lookup, an argmax): the verifier relies on that to keep a sampled
 request's distribution exact (a point-mass draft distribution, engine/spec/speculator.py).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from splitserve.engine.request import Request
+from splitserve.engine.scheduler import ScheduledBatch
 
 
 class Drafter(ABC):
@@ -29,6 +30,10 @@ class Drafter(ABC):
     @abstractmethod
     def passes(self, limits: list[int]) -> int:
         """Drafting rounds that proposing with these limits costs (engine/spec/dynamic.py)."""
+
+    def observe(self, batch: ScheduledBatch) -> None:  # noqa: B027 (a hook, mostly unused)
+        """A target step has run on batch (its requests' computed tokens counted, before
+        verification): a drafter that reads the target's state takes it here."""
 
     @abstractmethod
     def release(self, req: Request) -> None:

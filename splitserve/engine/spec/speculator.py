@@ -30,6 +30,7 @@ import torch
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SampleResult, greedy_tokens, plain_greedy
 from splitserve.engine.scheduler import ScheduledBatch
@@ -37,6 +38,7 @@ from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.draft_model import DraftModelDrafter
 from splitserve.engine.spec.drafter import Drafter
 from splitserve.engine.spec.dynamic import Acceptance, StepCost, plan_drafts
+from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
 
 
@@ -141,6 +143,7 @@ class Speculator:
         engine appends each token (or hands a prefill_only request over) before the next is
         drawn: a request goes on while its token matched and it did not finish. Once all
         stopped, each request's rejected positions are rolled back and the step recorded."""
+        self.drafter.observe(batch)
         reqs = [batch.requests[i] for i in sampled]
         drafts = [r.draft_token_ids for r in reqs]
         offsets = [0]
@@ -223,15 +226,17 @@ def _decoding(req: Request) -> bool:
 
 
 def build_speculator(
-    config: EngineConfig, vocab_size: int, max_model_len: int
+    config: EngineConfig, target: ModelRunner, max_model_len: int
 ) -> Speculator | None:
-    """The speculator of config.speculative (None: speculation off)."""
+    """The speculator of config.speculative (None: speculation off) for the target model."""
     spec = config.speculative
     if spec is None:
         return None
     drafter: Drafter
     if spec.method == "ngram":
         drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "mtp":
+        drafter = MTPDrafter(config, target, max_model_len)
     else:
-        drafter = DraftModelDrafter(config, vocab_size, max_model_len)
+        drafter = DraftModelDrafter(config, target.model_config.vocab_size, max_model_len)
     return Speculator(spec, drafter, max_model_len)

@@ -41,7 +41,7 @@ FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 """The most threads that fill one bitmask (never more than the constrained rows): half the
 logical CPUs, as xgrammar's own default, leaving the rest to the engine's loop and to SMT
 siblings; 8 on a 16-core GPU host, 1 (serial) on a 2-core machine, where two threads measured
-slower than one (benchmarks/structured_fill.py)."""
+slower than one (benchmarks/structured/fill.py)."""
 PARALLEL_ROWS = 4
 """With fewer constrained rows the fill is serial: xgrammar starts its threads on every call
 (about 25 us each), which two or three rows, mostly in cheap states (a few us), don't repay."""

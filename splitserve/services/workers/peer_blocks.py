@@ -84,7 +84,7 @@ class StagedBlocks:
         return found
 
     def stage(self, request_id: str, hashes: Sequence[int], kv: torch.Tensor) -> None:
-        """Keep block i of kv [2, layers, n, block, heads, dim] under hashes[i] until release."""
+        """Keep block i of kv [parts, layers, n, block, heads, dim] under hashes[i] till release."""
         self.release(request_id)
         self._owned[request_id] = list(hashes)
         for i, block_hash in enumerate(hashes):
@@ -107,7 +107,7 @@ def gather_prefix(
     engine: LLMEngine, store: BlockStore | None, hashes: Sequence[int]
 ) -> torch.Tensor | None:
     """The peer's side: the leading blocks of ``hashes`` held in the device cache or the block
-    store, as one tensor [2, layers, n, block, heads, dim]; None when not even the first is."""
+    store, as one tensor [parts, layers, n, block, heads, dim]; None when not even the first is."""
     cached = engine.block_manager.cached
     sources: list[int | torch.Tensor] = []
     for block_hash in hashes[:MAX_FETCH_BLOCKS]:

@@ -1,0 +1,88 @@
+"""The paged MLA decode kernel against its torch reference on one GPU (DeepSeek-V3's
+attention shape: 128 heads, a 512 + 64 latent per token, bfloat16).
+
+    python3 -m benchmarks.kernels.mla_decode --batch 64 --contexts 1024,4096,16384,32768
+
+Checks the kernel against ``engine/layers/mla.py: mla_decode`` (exits 1 on a mismatch) and
+prints one JSON line: per context the kernel's time in µs at its default tile (key 0) and at
+16, 32 and 64 tokens a tile, the reference's, and the
+kernel's share of the bandwidth bound of the latent cache it reads (batch x context x 576 x 2
+bytes at 4.24 TB/s, the H200's measured copy bandwidth, docs/performance.md); written to
+$OUT/mla-decode.json when OUT is set. Target (issue 41): >= 70% at batch 64 and 4k context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitserve.bench.report import git_commit
+from splitserve.engine.layers.mla import mla_decode
+from splitserve.kernels.mla_decode import mla_decode_attention
+
+HEADS, LORA, ROPE, BLOCK_SIZE = 128, 512, 64, 16
+BANDWIDTH = 4.24e12
+DEV = torch.device("cuda")
+
+
+def time_us(fn: Any, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def one(batch: int, context: int) -> dict[str, Any]:
+    blocks = -(-context // BLOCK_SIZE)
+    cache = torch.randn(batch * blocks + 1, BLOCK_SIZE, 1, LORA + ROPE, device=DEV).bfloat16()
+    tables = torch.randperm(batch * blocks, device=DEV).view(batch, blocks)
+    lens = torch.full((batch,), context, device=DEV)
+    query = torch.randn(batch, HEADS, LORA + ROPE, device=DEV).bfloat16()
+    scale = (128 + ROPE) ** -0.5
+    got = mla_decode_attention(query, cache, tables, lens, scale, LORA)
+    ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
+    err = float((got.float() - ref).abs().max())
+
+    def run(block_n: int | None) -> Any:
+        return lambda: mla_decode_attention(
+            query, cache, tables, lens, scale, LORA, block_n=block_n
+        )
+
+    kernel = {n or 0: time_us(run(n)) for n in (None, 16, 32, 64)}
+    torch_us = time_us(lambda: mla_decode(query, cache, tables, lens, scale, LORA), iters=5)
+    read = batch * context * (LORA + ROPE) * 2
+    return {
+        "batch": batch, "context": context, "max_abs_err": err, "ok": err < 2e-2,
+        "kernel_us_by_block_n": kernel, "torch_us": torch_us,
+        "kernel_bandwidth_share": read / (kernel[0] * 1e-6) / BANDWIDTH,
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--contexts", default="1024,4096,16384,32768")
+    args = parser.parse_args()
+    rows = [one(args.batch, int(c)) for c in args.contexts.split(",")]
+    result = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "rows": rows}
+    line = json.dumps(result)
+    print(line)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "mla-decode.json").write_text(line + "\n")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
