@@ -60,6 +60,7 @@ PROCESS_MODULES = frozenset(
         "test_api_edges_served",
         "test_api_hostile_served",
         "test_api_hung_redis",
+        "test_api_responses_messages",
         "test_deploy_placement",
         "test_deploy_scale",
         "test_deepseek_serving",
