@@ -5,7 +5,7 @@ keys, same gate as the service: splitserve/curve.py), in one process, alternatin
 Messages: an OutputBatch of 32 one-token deltas (one decode step of 32 running requests, about
 1.5 KB) and a GenerateRequest with a 2,048-token prompt (about 6 KB).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/internal_sockets.py [--seconds 2] [--out F]
+    .venv/bin/python -m benchmarks.served.internal_sockets [--seconds 2] [--out F]
 """
 
 from __future__ import annotations
