@@ -45,7 +45,7 @@ lint: install
 	$(VENV)/bin/mypy
 	$(PY) tools/check_layout.py splitserve
 
-# 100 positive schemathesis cases per endpoint and 100 negative per POST (1,000 in all, random each run)
+# 100 positive schemathesis cases per endpoint and 100 negative per POST (1,600 in all, random each run)
 # against a real 1P1D deployment: no 5xx, no worker failure, the server serves after.
 fuzz: install
 	SPLITSERVE_FUZZ_CASES=100 $(VENV)/bin/pytest -q tests/test_api_fuzz.py

@@ -18,7 +18,8 @@ import yaml
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.spec.config import SpeculativeConfig
-from splitserve.typed_config import ConfigError, build, set_dotted
+from splitserve.server_config import ServerConfig
+from splitserve.typed_config import ConfigError, build, expand, is_set, require, set_dotted
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 ROLES = ("both", "prefill", "decode", "vision")
@@ -33,52 +34,6 @@ ENGINE_SET_ELSEWHERE = {
     "speculative": "the pool's `speculative`",
     "expert_parallel_size": "the pool's `expert_parallel`",
 }
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The public HTTP front end and its admission limits."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()
-    """Keys for /admin (scaling); without any, /admin answers only loopback clients."""
-    max_body_bytes: int = 1 << 20
-    max_header_bytes: int = 8192
-    max_n: int = 8
-    max_queue: int = 256
-    internal_host: str = "127.0.0.1"
-    log_level: str = "warning"
-    heartbeat_timeout_s: float = 15.0
-    grammar_timeout_s: float = 5.0
-    """The longest a request's structured-output constraint may take to compile in the API
-    server (half the engine's own bound, so what the API accepts compiles on a worker)."""
-    migration_limit: int = 3
-    """How often one request may move to another worker when the one it waits on stops
-    (docs/disaggregation.md); past it, or with 0, the request fails with a 503."""
-    body_timeout_s: float = 30.0
-    """The longest a request body may take to arrive; past it the request is dropped (408)."""
-    client_share: float = 0.5
-    """The fraction of max_queue one client (API key, or address without keys) may hold at
-    once: one request for more is a 400, a client past it gets 429 with Retry-After."""
-    max_replicas: int = 64
-    """The most replicas /admin/scale gives a pool."""
-
-    def __post_init__(self) -> None:
-        _require(0 <= self.port <= 65535, "server.port must be in [0, 65535]")
-        _require(self.max_body_bytes >= 1024, "server.max_body_bytes must be at least 1024")
-        _require(self.max_header_bytes >= 1024, "server.max_header_bytes must be at least 1024")
-        _require(self.max_n >= 1, "server.max_n must be at least 1")
-        _require(self.max_queue >= 1, "server.max_queue must be at least 1")
-        _require(all(self.api_keys), "server.api_keys must not contain empty keys")
-        _require(all(self.admin_keys), "server.admin_keys must not contain empty keys")
-        _require(self.heartbeat_timeout_s > 0, "server.heartbeat_timeout_s must be positive")
-        _require(self.grammar_timeout_s > 0, "server.grammar_timeout_s must be positive")
-        _require(self.migration_limit >= 0, "server.migration_limit must be non-negative")
-        _require(self.body_timeout_s > 0, "server.body_timeout_s must be positive")
-        _require(0 < self.client_share <= 1, "server.client_share must be in (0, 1]")
-        _require(self.max_replicas >= 1, "server.max_replicas must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -108,30 +63,30 @@ class PoolConfig:
     over them (engine/expert_parallel.py); every rank is a decode slot of the router."""
 
     def __post_init__(self) -> None:
-        _require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
-        _require(
+        require(self.role in ROLES, f"role {self.role!r} is not supported (supported: {ROLES})")
+        require(
             self.speculative is None or self.role in ("both", "decode"),
             f"speculative decoding runs on decode and colocated pools, not {self.role!r} ones",
         )
-        _require(self.replicas >= 1, "replicas must be at least 1")
-        _require(self.expert_parallel >= 1, "expert_parallel must be at least 1")
-        _require(
+        require(self.replicas >= 1, "replicas must be at least 1")
+        require(self.expert_parallel >= 1, "expert_parallel must be at least 1")
+        require(
             self.expert_parallel == 1 or self.role in ("both", "decode"),
             f"expert_parallel groups run decode and colocated pools, not {self.role!r} ones",
         )
-        _require(
+        require(
             self.expert_parallel == 1 or self.speculative is None,
             "speculative decoding does not run in expert_parallel groups",
         )
-        _require(
+        require(
             not self.engine.record_expert_load or self.engine.expert_load_dir is not None,
             "a served record_expert_load needs engine.expert_load_dir (where its workers write "
             "the load; nothing else takes it)",
         )
-        _require(self.devices >= 1, "devices must be at least 1")
-        _require(self.num_cpus >= 0, "num_cpus must be non-negative")
-        _require(self.num_threads >= 0, "num_threads must be non-negative (0 = all cores)")
-        _require(all(v >= 0 for v in self.resources.values()), "resources must be non-negative")
+        require(self.devices >= 1, "devices must be at least 1")
+        require(self.num_cpus >= 0, "num_cpus must be non-negative")
+        require(self.num_threads >= 0, "num_threads must be non-negative (0 = all cores)")
+        require(all(v >= 0 for v in self.resources.values()), "resources must be non-negative")
 
     @property
     def num_gpus(self) -> int:
@@ -160,12 +115,12 @@ class TransferConfig:
     fault_send_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.backend in TRANSFER_BACKENDS,
             f"transfer.backend {self.backend!r} is not one of {TRANSFER_BACKENDS}",
         )
-        _require(self.timeout_s > 0, "transfer.timeout_s must be positive")
-        _require(self.fault_send_delay_s >= 0, "transfer.fault_send_delay_s must be >= 0")
+        require(self.timeout_s > 0, "transfer.timeout_s must be positive")
+        require(self.fault_send_delay_s >= 0, "transfer.fault_send_delay_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -179,12 +134,12 @@ class PrefixIndexConfig:
 
     def __post_init__(self) -> None:
         scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
-        _require(
+        require(
             scheme in ("memory", "redis", "rediss", "unix"),
             f"prefix_index.url {self.url!r}: expected memory://, redis:// or rediss://",
         )
-        _require(self.ttl_s > 0, "prefix_index.ttl_s must be positive")
-        _require(self.publish_interval_s > 0, "prefix_index.publish_interval_s must be positive")
+        require(self.ttl_s > 0, "prefix_index.ttl_s must be positive")
+        require(self.publish_interval_s > 0, "prefix_index.publish_interval_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -204,12 +159,10 @@ class KVStoreConfig:
     default_class: str = "chat"
 
     def __post_init__(self) -> None:
-        _require(self.host_bytes >= 0, "kv_store.host_bytes must be >= 0")
-        _require(self.disk_bytes >= 0, "kv_store.disk_bytes must be >= 0")
-        _require(
-            all(t > 0 for t in self.retention.values()), "kv_store.retention: TTLs must be > 0"
-        )
-        _require(
+        require(self.host_bytes >= 0, "kv_store.host_bytes must be >= 0")
+        require(self.disk_bytes >= 0, "kv_store.disk_bytes must be >= 0")
+        require(all(t > 0 for t in self.retention.values()), "kv_store.retention: TTLs must be > 0")
+        require(
             self.default_class in self.retention,
             f"kv_store.default_class {self.default_class!r} has no kv_store.retention entry",
         )
@@ -223,7 +176,7 @@ class RouterConfig:
     policy: str = "cache_aware"
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.policy in ROUTER_POLICIES,
             f"router.policy {self.policy!r} is not one of {ROUTER_POLICIES}",
         )
@@ -247,11 +200,11 @@ class ImagesConfig:
     encoder_cache_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        _require(self.max_bytes >= 1, "images.max_bytes must be at least 1")
-        _require(self.max_pixels >= 1, "images.max_pixels must be at least 1")
-        _require(self.max_per_request >= 0, "images.max_per_request must be >= 0")
-        _require(self.fetch_timeout_s > 0, "images.fetch_timeout_s must be positive")
-        _require(self.encoder_cache_bytes >= 0, "images.encoder_cache_bytes must be >= 0")
+        require(self.max_bytes >= 1, "images.max_bytes must be at least 1")
+        require(self.max_pixels >= 1, "images.max_pixels must be at least 1")
+        require(self.max_per_request >= 0, "images.max_per_request must be >= 0")
+        require(self.fetch_timeout_s > 0, "images.fetch_timeout_s must be positive")
+        require(self.encoder_cache_bytes >= 0, "images.encoder_cache_bytes must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -267,8 +220,8 @@ class RayConfig:
     """How often Ray restarts a worker whose process died (-1: without limit)."""
 
     def __post_init__(self) -> None:
-        _require(self.placement_timeout_s > 0, "ray.placement_timeout_s must be positive")
-        _require(self.max_restarts >= -1, "ray.max_restarts must be -1 or more")
+        require(self.placement_timeout_s > 0, "ray.placement_timeout_s must be positive")
+        require(self.max_restarts >= -1, "ray.max_restarts must be -1 or more")
 
 
 @dataclass(frozen=True)
@@ -284,13 +237,11 @@ class DeployConfig:
     images: ImagesConfig = field(default_factory=ImagesConfig)
 
     def __post_init__(self) -> None:
-        _require(bool(self.model), "model must not be empty")
-        _require(len(self.pools) >= 1, "pools must define at least one pool")
+        require(bool(self.model), "model must not be empty")
+        require(len(self.pools) >= 1, "pools must define at least one pool")
         _check_roles([p.role for p in self.pools.values()])
         for name in self.pools:  # worker ids are <pool>-<index>[.<rank>] (services/api/)
-            _require(
-                bool(POOL_NAME.fullmatch(name)), f"pool name {name!r}: letters, digits, _ only"
-            )
+            require(bool(POOL_NAME.fullmatch(name)), f"pool name {name!r}: letters, digits, _ only")
         # Frozen: the completed pools go in the way dataclasses' own __init__ sets fields.
         object.__setattr__(
             self, "pools", {name: self._complete(p) for name, p in self.pools.items()}
@@ -317,15 +268,36 @@ class DeployConfig:
         return self.pools[pool].engine
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DeployConfig:
-    """Read ``path`` (default configs/local.yaml), apply ``key=value`` overrides, validate."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+) -> DeployConfig:
+    """Read ``path`` (default configs/local.yaml), apply ``key=value`` overrides, validate.
+    flags: dotted key -> value of the command line's vLLM-style flags (``pools.*.``: every
+    pool; a speculative section only decode and colocated ones); a config file given as
+    ``path`` keeps the values it sets itself. The overrides win over both."""
     raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG, path is None)
+    if flags and not raw.get("pools"):
+        raw["pools"] = {"worker": {}}
+    for key, value in (flags or {}).items():
+        for dotted in expand(raw, key):
+            speculative_ok = _role(raw, dotted) in ("both", "decode")
+            if (path is None or not is_set(raw, dotted)) and (
+                not dotted.endswith(".speculative") or speculative_ok
+            ):
+                set_dotted(raw, dotted, value)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
         set_dotted(raw, key.strip(), yaml.safe_load(value))
     return build(DeployConfig, raw, "")
+
+
+def _role(raw: dict[str, Any], dotted: str) -> Any:
+    pool = raw["pools"].get(dotted.split(".")[1]) if dotted.startswith("pools.") else None
+    return pool.get("role", "both") if isinstance(pool, dict) else "both"
 
 
 def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:
@@ -347,14 +319,9 @@ def _read_yaml(path: Path, is_default: bool) -> dict[str, Any]:
 def _check_roles(roles: list[str]) -> None:
     if all(r == "both" for r in roles):
         return
-    _require(
+    require(
         sorted(roles) in (["decode", "prefill"], ["decode", "prefill", "vision"]),
         "a disaggregated deployment has exactly one prefill pool and one decode pool, at most "
         f"one vision pool and no `both` pool (got roles {sorted(roles)}); a colocated one has "
         "only `both` pools",
     )
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)

@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """A config file or override that cannot describe a deployment."""
 
 
+def require(ok: bool, message: str) -> None:
+    """A config check: ValueError with the message (naming the dotted key) unless ok."""
+    if not ok:
+        raise ValueError(message)
+
+
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set ``raw[a][b][c] = value`` for ``key == "a.b.c"``, creating mappings on the way."""
     node = raw
@@ -28,6 +34,31 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(f"{'.'.join(parts[: i + 1])} is not a mapping")
         node = child
     node[parts[-1]] = value
+
+
+def expand(raw: dict[str, Any], key: str) -> list[str]:
+    """The dotted keys ``key`` names: a ``*`` part stands for each key of the mapping there."""
+    keys = [""]
+    for part in key.split("."):
+        if part != "*":
+            keys = [f"{k}.{part}" if k else part for k in keys]
+            continue
+        keys = [f"{k}.{name}" for k in keys for name in _at(raw, k)]
+    return keys
+
+
+def is_set(raw: dict[str, Any], key: str) -> bool:
+    """Whether the mappings hold ``key`` ("a.b.c")."""
+    *parents, last = key.split(".")
+    node = _at(raw, ".".join(parents)) if parents else raw
+    return last in node
+
+
+def _at(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    node: Any = raw
+    for part in key.split(".") if key else []:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
 
 
 def build(cls: type, raw: Any, path: str) -> Any:

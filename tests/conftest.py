@@ -60,6 +60,7 @@ PROCESS_MODULES = frozenset(
         "test_api_edges_served",
         "test_api_hostile_served",
         "test_api_hung_redis",
+        "test_api_responses_messages",
         "test_deploy_placement",
         "test_deploy_scale",
         "test_deepseek_serving",
@@ -81,6 +82,7 @@ PROCESS_MODULES = frozenset(
 LATE_MODULES = frozenset(
     {
         "test_api_migration",
+        "test_internal_sockets",
         "test_peer_blocks",
         "test_worker_failures",
         "test_worker_headers",

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from splitserve.config import ServerConfig
+from splitserve.server_config import ServerConfig
 from splitserve.services.api import admin
 from splitserve.services.api.errors import install_error_handlers
 

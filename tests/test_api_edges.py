@@ -15,7 +15,8 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
-from splitserve.config import DeployConfig, ServerConfig
+from splitserve.config import DeployConfig
+from splitserve.server_config import ServerConfig
 from splitserve.services.api.app import build_app
 from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
 from splitserve.services.api.json_body import CheckedRoute

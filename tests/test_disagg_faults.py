@@ -30,6 +30,9 @@ def server() -> Iterator[ServerProcess]:
         f"transfer.timeout_s={TIMEOUT_S}",
         f"transfer.fault_send_delay_s={SEND_DELAY_S}",  # a window to kill the sender in
         f"server.heartbeat_timeout_s={HEARTBEAT_S}",
+        # Fail at once instead of waiting for the restarted prefill worker (the wait:
+        # tests/test_disagg_chaos.py, 1P1D).
+        "server.restart_wait_s=0",
     ) as process:
         yield process
 

@@ -16,12 +16,14 @@ import pytest
 import torch
 import zmq
 
+from splitserve import curve
 from splitserve.config import KVStoreConfig, PrefixIndexConfig, TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvstore.hashing import block_hashes
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
+from splitserve.kvstore.rendezvous import StoreAddress, start_store
+from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import peer_name
@@ -46,7 +48,8 @@ class Decode:
 
     def __init__(self, store: StoreAddress) -> None:
         self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
+        self.gate = curve.Gate(self.ctx, SEALER.curve_keys())
+        self.pull = curve.server(self.ctx.socket(zmq.PULL), SEALER.curve_keys())
         self.addr = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
         name = peer_name("decode-0", self.addr)  # as a DecodeWorker names itself
         self.transport = KVTransport(
@@ -100,21 +103,22 @@ def uncached(model: str) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def cluster(model: str) -> Iterator[tuple[Worker, Worker, Decode]]:
-    server, address = start_store("127.0.0.1")
+    server, address = start_store("127.0.0.1", SEALER.store_key())
     a, b = Worker("prefill-0", address, model), Worker("prefill-1", address, model)
     decode = Decode(address)
     yield a, b, decode
     for worker in (a, b):
         worker.worker.stop()
+    decode.gate.stop()
     decode.ctx.destroy(linger=0)
-    del server
+    server.close()
 
 
 def prefill(
     worker: Worker, decode: Decode, ids: list[int], peer: msg.PeerPrefix | None = None
 ) -> tuple[int, torch.Tensor]:
     """Send a Prefill as the API server would; the first token and the KV decode receives."""
-    push = decode.ctx.socket(zmq.PUSH)
+    push = curve.client(decode.ctx.socket(zmq.PUSH), SEALER.curve_keys())
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(worker.addr)
     request_id = f"r-{next(_ids)}"
@@ -213,7 +217,7 @@ def test_garbage_on_a_request_socket_is_dropped_and_the_worker_keeps_serving(
     cluster: Any, uncached: LLMEngine, smollm2_tokenizer: Any
 ) -> None:
     a, _, decode = cluster
-    push = decode.ctx.socket(zmq.PUSH)
+    push = curve.client(decode.ctx.socket(zmq.PUSH), SEALER.curve_keys())
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(a.addr)
     push.send(b"\x93not msgpack of ours")

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, TransferError, start_store
+from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress, start_store
+from splitserve.kvstore.transfer import KVTransport, TransferError
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20.0
+KEY = b"transfer-test-key-0123456789abcdef"
 SHAPES = [(2, 3, 1, 16, 3, 64), (2, 3, 4, 16, 3, 64), (2, 3, 2, 16, 3, 64)]
 
 
@@ -24,7 +25,7 @@ def _tensor(index: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _sender(store: StoreAddress, generation: int, count: int, results: Any) -> None:
     """Send the first ``count`` tensors; then wait to be killed if that is not all of them."""
-    transport = KVTransport("p", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    transport = KVTransport("p", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
     for index, shape in enumerate(SHAPES[:count]):
         transport.send("d", generation, _tensor(index, shape))
     results.put(transport.bytes_sent)
@@ -41,15 +42,15 @@ def _spawn(store: StoreAddress, generation: int, count: int, results: Any) -> An
 
 @pytest.fixture(scope="module")
 def store() -> Any:
-    server, address = start_store("127.0.0.1")
+    server, address = start_store("127.0.0.1", KEY)
     yield address
-    del server
+    server.close()
 
 
 def test_tensors_arrive_in_order_and_bytes_are_counted(store: StoreAddress) -> None:
     results = mp.get_context("spawn").Queue()
     sender = _spawn(store, 0, len(SHAPES), results)
-    receiver = KVTransport("d", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    receiver = KVTransport("d", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
     for index, shape in enumerate(SHAPES):
         out = torch.empty(shape)
         receiver.recv("p", 0, out)
@@ -63,7 +64,7 @@ def test_tensors_arrive_in_order_and_bytes_are_counted(store: StoreAddress) -> N
 def test_dead_peer_is_a_transfer_error_then_a_new_generation_works(store: StoreAddress) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    receiver = KVTransport("d", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    receiver = KVTransport("d", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
     doomed = _spawn(store, 1, 1, results)
     first = torch.empty(SHAPES[0])
     receiver.recv("p", 1, first)  # the channel is up
@@ -87,7 +88,7 @@ def _both_ways(store: StoreAddress, me: str, other: str, results: Any) -> None:
     with both channels still to be created (as two prefill workers pulling from each other)."""
     import threading
 
-    transport = KVTransport(me, store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    transport = KVTransport(me, store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
     got = torch.empty(4)
     threads = [
         threading.Thread(target=transport.send, args=(other, 5, torch.full((4,), float(len(me))))),
@@ -124,7 +125,7 @@ def test_two_workers_sending_to_each_other_do_not_wait_on_each_other(store: Stor
 
 def _recv_then_send(store: StoreAddress, results: Any) -> None:
     """Worker "bb": receive from "a", and only then send back to it."""
-    transport = KVTransport("bb", store, torch.device("cpu"), "gloo", TIMEOUT_S)
+    transport = KVTransport("bb", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
     got = torch.empty(4)
     transport.recv("a", 7, got)
     transport.send("a", 7, got * 10)
@@ -136,7 +137,7 @@ def test_a_channel_waiting_for_its_partner_does_not_hold_up_another_channel(
 ) -> None:
     """In "a", the channel from "bb" starts forming first and waits: "bb" joins it only after
     it has received on the channel to "a", which forms second. Through one store connection
-    for both (a TCPStore client serializes its calls) the second could not even publish its
+    for both (a store client serializes its calls) the second could not even publish its
     address until the first timed out."""
     import threading
 
@@ -144,8 +145,8 @@ def test_a_channel_waiting_for_its_partner_does_not_hold_up_another_channel(
     results = ctx.Queue()
     partner = ctx.Process(target=_recv_then_send, args=(store, results), daemon=True)
     partner.start()
-    transport = KVTransport("a", store, torch.device("cpu"), "gloo", TIMEOUT_S)
-    keys = dist.TCPStore(store.host, store.port, is_master=False)
+    transport = KVTransport("a", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
+    keys = RendezvousClient(store, KEY)
     back = torch.empty(4)
     receiving = threading.Thread(target=transport.recv, args=("bb", 7, back))
     start = time.monotonic()

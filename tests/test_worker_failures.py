@@ -17,11 +17,13 @@ import pytest
 import torch
 import zmq
 
+from splitserve import curve
 from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import Request, SamplingParams
-from splitserve.kvstore.transfer import StoreAddress, start_store
+from splitserve.kvstore.rendezvous import StoreAddress, start_store
 from splitserve.services import messages as msg
+from splitserve.services.sealing import Sealer
 from splitserve.services.workers.decode import DecodeWorker
 from splitserve.services.workers.engine_worker import EngineWorker
 from splitserve.services.workers.spec import WorkerSpec
@@ -33,6 +35,8 @@ FAIL_WITHIN_S = 1.0
 LONG = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
 ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
 _ids = itertools.count()
+SEALER = Sealer()
+"""The test deployment's secret: the store admits only its holders."""
 
 
 class Injected(RuntimeError):
@@ -46,9 +50,9 @@ def model(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> s
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[StoreAddress]:
-    server, address = start_store("127.0.0.1")
+    server, address = start_store("127.0.0.1", SEALER.store_key())
     yield address
-    del server
+    server.close()
 
 
 def spec(role: str, model: str, store: StoreAddress | None = None) -> WorkerSpec:
@@ -59,6 +63,7 @@ def spec(role: str, model: str, store: StoreAddress | None = None) -> WorkerSpec
         threads=0,  # leave this process's torch thread count alone
         transfer=TransferConfig(backend="gloo", timeout_s=10.0),
         store=store,
+        sealer=SEALER,
     )
 
 
@@ -186,7 +191,7 @@ def test_a_receiver_thread_that_raises_fails_the_worker_at_once(
         api.wait("Reserved", lambda: api.reserved("first"), 10)
         shape = [2, 2, 2, 16, 2, 16]  # the reservation's: 30 tokens in 2 blocks
         header = msg.KvHeader("first", "prefill-0", 0, 7, None, shape, "float32")
-        push = api.ctx.socket(zmq.PUSH)
+        push = curve.client(api.ctx.socket(zmq.PUSH), api.sealer.curve_keys())
         push.connect(worker.kv_addr)
         push.send(api.sealer.seal(header))
         seconds = api.wait("WorkerFailed", api.failed_workers, 10)

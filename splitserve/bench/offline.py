@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=0, help="also time one long prefill")
-    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(

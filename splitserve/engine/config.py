@@ -51,7 +51,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    """auto (triton on CUDA with Triton installed, else torch), torch or triton."""
     cuda_graph_max_batch: int = 512
     overlap_scheduling: bool | None = None
     """Prepare decode step N+1 while the device runs step N (engine/overlap.py); None: on
@@ -99,6 +100,10 @@ class EngineConfig:
             raise ValueError(
                 "cpu_weights='bfloat16' is for device='cpu' with float32 activations "
                 f"(dtype 'auto' or 'float32'), not device={self.device!r} dtype={self.dtype!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
             )
         if self.grammar_budget_s <= 0:
             raise ValueError("grammar_budget_s must be positive")

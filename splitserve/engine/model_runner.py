@@ -13,7 +13,7 @@ from torch import nn
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
-from splitserve.engine.layers.attention_backends import make_backend
+from splitserve.engine.layers.attention_backends import choose_backend, make_backend
 from splitserve.engine.layers.bf16_linear import to_bf16_layers
 from splitserve.engine.layers.block_linear import interleave_blocks, to_block_layers
 from splitserve.engine.layers.cpu_gemm import prepack
@@ -31,6 +31,7 @@ from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
 from splitserve.engine.weight_format import block_weight_plan
+from splitserve.kernels.dispatch import triton_available
 
 if TYPE_CHECKING:
     from splitserve.engine.structured.matcher import RequestGrammar
@@ -89,9 +90,8 @@ class ModelRunner:
 
     def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
         cfg = self.model_config
-        backend = make_backend(
-            self.config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
+        name = choose_backend(self.config.attention_backend, self.device.type, triton_available())
+        backend = make_backend(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         devices = [self.device] if self.device.type == "cuda" else []

@@ -1,9 +1,10 @@
 """KV transport between workers: point-to-point channels over torch.distributed.
 
 There is no fixed world of all workers. Each (sender, receiver) pair gets its own two-rank
-process group, created on demand from a shared rendezvous store (a TCPStore that the service
-hosts) under a key naming the pair and a generation, so workers can come and go and a broken
-channel is simply replaced by the next generation. The sender is rank 0, the receiver rank 1.
+process group, created on demand from a shared rendezvous store (kvstore/rendezvous.py, which
+the service hosts) under a key naming the pair and a generation, so workers can come and go and
+a broken channel is simply replaced by the next generation. The sender is rank 0, the
+receiver rank 1.
 
 Backends: ``nccl`` for CUDA tensors, ``gloo`` for CPU tensors, ``hccl`` for Ascend NPUs through
 torch_npu (written to its documented API, untested here), ``auto`` picks by device.
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress
 from splitserve.kvstore.signed_store import SignedStore
 
 SENDER, RECEIVER = 0, 1
@@ -43,18 +45,6 @@ receiving from four prefill workers: 49,000 checks a second, 0.6 of a core); pol
 200 µs, four made them about 13% longer, one not measurably.
 A prompt's KV takes milliseconds to move and is adopted only between decode steps, so seeing
 its completion up to ~0.25 ms later delays nothing that matters."""
-
-
-@dataclass(frozen=True)
-class StoreAddress:
-    host: str
-    port: int
-
-
-def start_store(host: str) -> tuple[Any, StoreAddress]:
-    """Host the rendezvous store on a free port; keep the returned object alive."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    return store, StoreAddress(host, store.port)
 
 
 def pick_backend(backend: str, device: torch.device) -> str:
@@ -137,18 +127,21 @@ class KVTransport:
         device: torch.device,
         backend: str = "auto",
         timeout_s: float = 30.0,
-        key: bytes | None = None,
+        *,
+        key: bytes,
     ) -> None:
-        """key: signs and checks every rendezvous value (kvstore/signed_store.py); the
-        service always gives its deployment's, None leaves the values unsigned."""
+        """key: the deployment's store key, which admits this transport to the rendezvous
+        store (kvstore/rendezvous.py) and signs and checks every value it puts there
+        (kvstore/signed_store.py)."""
         self.worker_id = worker_id
         self._key = key
         self.device = device
         self.backend = pick_backend(backend, device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._store_address = store
-        # Fails early (here, not at the first transfer) when the rendezvous store is not there.
-        self._connect_store()
+        # Fails early (here, not at the first transfer) when the rendezvous store is not there
+        # or does not admit this key.
+        self._connect_store().num_keys()
         self._groups: dict[tuple[str, str, int], _Channel] = {}
         self._lock = threading.Lock()
         self.bytes_sent = 0
@@ -189,14 +182,14 @@ class KVTransport:
             channel = self._groups.setdefault(key, _Channel(threading.Lock()))
         with channel.lock:
             if channel.group is None:
-                # A store connection of the channel's own: a TCPStore client serializes its
-                # calls, so two channels forming at once through one client deadlock (one
-                # waits for its partner's key, lock held, while the other cannot publish its
-                # own) until the timeout.
+                # A store connection of the channel's own: a client serializes its calls, so
+                # two channels forming at once through one client deadlock (one waits for its
+                # partner's key, lock held, while the other cannot publish its own) until the
+                # timeout.
                 store = self._connect_store()
                 name = f"kv/{sender}->{receiver}/{generation}"
                 try:
-                    channel.group = self._new_group(scoped_store(store, self._key, name), rank)
+                    channel.group = self._new_group(SignedStore(store, self._key, name), rank)
                 except RuntimeError as exc:
                     with self._lock:
                         if self._groups.get(key) is channel:
@@ -204,9 +197,8 @@ class KVTransport:
                     raise TransferError(f"cannot connect {sender}->{receiver}: {exc}") from exc
             return channel.group
 
-    def _connect_store(self) -> Any:
-        address = self._store_address
-        return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)
+    def _connect_store(self) -> RendezvousClient:
+        return RendezvousClient(self._store_address, self._key, self.timeout)
 
     def _new_group(self, store: Any, rank: int) -> Any:
         return new_group(self.backend, store, rank, 2, self.timeout)
@@ -238,12 +230,6 @@ class KVTransport:
             time.sleep(POLL_S)
 
 
-def scoped_store(store: Any, key: bytes | None, name: str) -> Any:
-    """``store``'s keys under ``name``: signed with ``key`` (kvstore/signed_store.py), or plain
-    when there is none."""
-    return SignedStore(store, key, name) if key is not None else dist.PrefixStore(name, store)
-
-
 def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     """A process group of ``size`` ranks over ``store`` (a scoped store: the group's own keys);
     blocks until every rank has joined or ``timeout`` has passed (RuntimeError)."""
@@ -271,16 +257,17 @@ def collective_group(
     device: torch.device,
     backend: str = "auto",
     timeout_s: float = 30.0,
-    key: bytes | None = None,
+    *,
+    key: bytes,
 ) -> Any:
     """The process group ``name`` of ``size`` processes, formed through the rendezvous store
     at ``address`` when each of them calls this with its rank (an expert-parallel group:
     engine/layers/expert_placement.py). ``key`` signs the rendezvous values as KVTransport's
     do."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
+    store = RendezvousClient(address, key, timeout)
     try:
-        scoped = scoped_store(store, key, name)
+        scoped = SignedStore(store, key, name)
         return new_group(pick_backend(backend, device), scoped, rank, size, timeout)
     except RuntimeError as exc:
         raise TransferError(

@@ -20,6 +20,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from splitserve.curve import CurveKeys
 from splitserve.services import messages as msg
 
 TAG_BYTES = 32
@@ -62,6 +63,10 @@ class Sealer:
 
     def _tag(self, body: bytes) -> bytes:
         return hmac.new(self.secret, body, hashlib.sha256).digest()
+
+    def curve_keys(self) -> CurveKeys:
+        """The deployment's CurveZMQ key pair, derived from the secret (splitserve/curve.py)."""
+        return CurveKeys.derive(self.secret)
 
     def store_key(self) -> bytes:
         """The key that signs the transfer rendezvous store's values (kvstore/signed_store.py),

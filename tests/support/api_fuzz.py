@@ -29,6 +29,9 @@ from hypothesis import strategies as st
 OPERATIONS = (
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    "POST /v1/responses",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "GET /v1/models",
     "GET /health",
     "GET /metrics",
@@ -146,7 +149,7 @@ def prepare(label: str, body: dict[str, Any], model: str, positive: bool) -> Non
             body["replicas"] = {f"no-such-pool-{name}": n for name, n in replicas.items()}
         return
     body["model"] = model
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is None or (_number(value) and value > MAX_NEW_TOKENS):
             body[name] = MAX_NEW_TOKENS

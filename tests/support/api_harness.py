@@ -25,6 +25,7 @@ from splitserve.services.api.serving import ServerState
 from splitserve.services.api.worker_pool import WorkerPool
 from splitserve.services.metrics import Metrics
 from tests.support.fake_worker import SEALER, FakeWorker, delta
+from tests.support.fake_worker import gate as fake_gate
 from tests.support.wait import wait_for_async
 
 MODEL = "smollm2-135m-instruct"
@@ -86,6 +87,7 @@ async def api_over_fake_workers(
     answer: the workers' side, run as a task until the block ends. Every worker has sent a
     heartbeat (with hash_root) when the block starts."""
     ctx = zmq.asyncio.Context()
+    gate = fake_gate(ctx)
     workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
     metrics = Metrics(MODEL)
     pool = WorkerPool([w.endpoint for w in workers.values()], metrics, SEALER, 60.0)
@@ -107,4 +109,5 @@ async def api_over_fake_workers(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await exchange.close()
+        gate.stop()
         ctx.destroy(linger=0)

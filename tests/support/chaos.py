@@ -1,6 +1,7 @@
 """Chaos run: streamed greedy requests against 2 prefill + 2 decode workers while a decode
 worker and then a prefill worker are killed with SIGKILL; every request must complete with
-the offline engine's greedy output, and both workers must be back in their pools.
+the offline engine's greedy output, and both workers must be back in their pools. With one
+worker of each (SETTINGS_1P1D) the requests wait for the restarted ones instead.
 
 The test (tests/test_disagg_chaos.py) runs 120 requests of 8 tokens, `make chaos` 200 of 32, the
 first 16 of either OPENING_TOKENS long:
@@ -36,6 +37,11 @@ SERVER_SETTINGS = (
     # Each computed prompt's KV waits this long before it is sent: a window in which a
     # killed prefill worker has requests before their handoff (tests only).
     "transfer.fault_send_delay_s=0.2",
+)
+SETTINGS_1P1D = (
+    "pools.prefill.replicas=1",
+    "pools.decode.replicas=1",
+    *SERVER_SETTINGS[2:],
 )
 RUNNING = "splitserve:num_requests_running"
 OPENING_TOKENS = 64
@@ -87,6 +93,8 @@ class Chaos:
     texts: list[str]
     max_tokens: int
     concurrency: int
+    replicas: int = 2
+    """Of each pool: what its ready count comes back to after a kill."""
     outcomes: list[Outcome] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
 
@@ -164,7 +172,7 @@ class Chaos:
             if worker_pids(self.server)[kill.worker] == kill.pid:
                 return False
             pools = httpx.get(f"{self.server.url}/health").json()["pools"]
-            return bool(pools[pool]["ready"] == 2)
+            return bool(pools[pool]["ready"] == self.replicas)
 
         wait_for(
             back,

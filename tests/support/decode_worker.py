@@ -18,7 +18,8 @@ from splitserve.config import TransferConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import SamplingParams
-from splitserve.kvstore.transfer import KVTransport, StoreAddress, start_store
+from splitserve.kvstore.rendezvous import StoreAddress, start_store
+from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from splitserve.services.workers.channels import Outgoing, TensorSender
@@ -89,7 +90,8 @@ def decode_cluster(
     model: str, engine: dict[str, Any], timeout_s: float, delay_s: float = 0.0
 ) -> Iterator[tuple[DecodeWorker, ApiEnd, PrefillEnd]]:
     """Worker "decode-0" on ``model`` with the test as its API server and its prefill worker."""
-    server, address = start_store("127.0.0.1")
+    sealer = Sealer()
+    server, address = start_store("127.0.0.1", sealer.store_key())
     spec = WorkerSpec(
         "decode-0",
         "decode",
@@ -97,6 +99,7 @@ def decode_cluster(
         threads=0,  # leave this process's torch thread count alone
         transfer=TransferConfig(backend="gloo", timeout_s=timeout_s),
         store=address,
+        sealer=sealer,
     )
     worker = DecodeWorker(spec)
     info = worker.start()
@@ -108,7 +111,7 @@ def decode_cluster(
         prefill.close()
         api.close()
         worker.stop()
-        del server
+        server.close()
 
 
 def prompt(seed: int) -> list[int]:

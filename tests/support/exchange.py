@@ -20,6 +20,7 @@ from tests.support.fake_worker import DEADLINE_S as DEADLINE_S
 from tests.support.fake_worker import SEALER as SEALER
 from tests.support.fake_worker import FakeWorker as FakeWorker
 from tests.support.fake_worker import delta as delta
+from tests.support.fake_worker import gate as fake_gate
 from tests.support.wait import wait_for_async
 
 PROMPT = [1, 2, 3]
@@ -40,19 +41,25 @@ def failures(metrics: Metrics, worker: str, reason: str) -> float | None:
 Scenario = Callable[[RequestExchange, dict[str, FakeWorker]], Awaitable[None]]
 
 
-def run(roles: dict[str, str], scenario: Scenario, migration_limit: int = 0) -> None:
+def run(
+    roles: dict[str, str], scenario: Scenario, migration_limit: int = 0, **timing: float
+) -> None:
     """Start an exchange on these workers (id -> role), wait until every one reported in,
     and run the scenario on the exchange's event loop. migration_limit: 0 (requests on a
-    worker that stops fail) unless a test is about migration."""
+    worker that stops fail) unless a test is about migration. timing: the exchange's
+    request_timeout_s and restart_wait_s, where a test is about them."""
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
+        gate = fake_gate(ctx)
         workers = {worker_id: FakeWorker(ctx, worker_id, role) for worker_id, role in roles.items()}
         metrics = Metrics(MODEL)
         endpoints = [w.endpoint for w in workers.values()]
         pool = WorkerPool(endpoints, metrics, SEALER, heartbeat_timeout_s=60)
         router = Router("cache_aware", "cache_aware")
-        exchange = RequestExchange(pool, 16, metrics, router, migration_limit=migration_limit)
+        exchange = RequestExchange(
+            pool, 16, metrics, router, migration_limit=migration_limit, **timing
+        )
         exchange.start()
         try:
             for worker in workers.values():
@@ -61,6 +68,7 @@ def run(roles: dict[str, str], scenario: Scenario, migration_limit: int = 0) -> 
             await scenario(exchange, workers)
         finally:
             await exchange.close()
+            gate.stop()
             ctx.destroy(linger=0)
 
     asyncio.run(main())

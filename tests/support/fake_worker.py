@@ -1,6 +1,7 @@
 """A worker's two ZMQ sockets, bound as a real worker binds them, driven by the test: the API
 server's exchange connects to them as to a worker. Messages are sealed with ``SEALER``, the
-deployment secret the tests' worker pools are given."""
+deployment secret the tests' worker pools are given, and the sockets are CurveZMQ servers with
+its keys (their context needs a gate: ``gate``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import zmq
 import zmq.asyncio
 
+from splitserve import curve
 from splitserve.services import messages as msg
 from splitserve.services.api.worker_view import WorkerEndpoint
 from splitserve.services.sealing import Sealer
@@ -18,13 +20,20 @@ DEADLINE_S = 5.0
 SEALER = Sealer()
 
 
+def gate(ctx: zmq.asyncio.Context) -> curve.Gate:
+    """The deployment's gate on a context for fake workers (splitserve/curve.py); stop it
+    before the context is destroyed."""
+    return curve.Gate(ctx, SEALER.curve_keys())
+
+
 class FakeWorker:
     """A worker's two sockets, bound like a real worker's: requests in, output out."""
 
     def __init__(self, ctx: zmq.asyncio.Context, worker_id: str, role: str) -> None:
         self.worker_id = worker_id
-        self.requests = ctx.socket(zmq.PULL)
-        self.output = ctx.socket(zmq.PUSH)
+        keys = SEALER.curve_keys()
+        self.requests = curve.server(ctx.socket(zmq.PULL), keys)
+        self.output = curve.server(ctx.socket(zmq.PUSH), keys)
         for socket in (self.requests, self.output):
             socket.setsockopt(zmq.LINGER, 0)
         request_port = self.requests.bind_to_random_port("tcp://127.0.0.1")

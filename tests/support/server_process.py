@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,16 +66,20 @@ def worker_pids(server: ServerProcess) -> dict[str, int]:
 
 @contextmanager
 def serve(
-    *overrides: str, config: str | None = None, private_ray: bool = False
+    *overrides: str,
+    config: str | None = None,
+    private_ray: bool = False,
+    flags: Sequence[str] = (),
 ) -> Iterator[ServerProcess]:
-    """Run `splitserve serve [--config FILE] --set ...` until the block ends, then SIGTERM it
-    (exit code 0). The deployment joins the session's Ray head (tests/support/ray_head.py)
-    unless ``private_ray``: then it starts its own, as `make serve` does."""
+    """Run `splitserve serve [FLAGS] [--config FILE] --set ...` until the block ends, then
+    SIGTERM it (exit code 0). flags: what `vllm serve` takes (a model first, then flags).
+    The deployment joins the session's Ray head (tests/support/ray_head.py) unless
+    ``private_ray``: then it starts its own, as `make serve` does."""
     env: dict[str, str] = {}
     if not private_ray:
         overrides = (f"ray.address={ray_head.address()}", *overrides)
         env = ray_head.CLIENT_ENV
-    server = _start_ready(overrides, config, env)
+    server = _start_ready(overrides, config, env, flags)
     try:
         yield server
     except BaseException:
@@ -92,12 +96,16 @@ def serve(
 
 
 def _start_ready(
-    overrides: tuple[str, ...], config: str | None, env: dict[str, str], attempts: int = 3
+    overrides: tuple[str, ...],
+    config: str | None,
+    env: dict[str, str],
+    flags: Sequence[str],
+    attempts: int = 3,
 ) -> ServerProcess:
     """Start the server on a free port; a port taken between probe and bind is retried. A
     server that is not ready in time is stopped, not left running after the test."""
     for attempt in range(attempts):
-        server = _start(free_port(), overrides, config, env)
+        server = _start(free_port(), overrides, config, env, flags)
         try:
             _wait_ready(server)
             return server
@@ -110,9 +118,13 @@ def _start_ready(
 
 
 def _start(
-    port: int, overrides: tuple[str, ...], config: str | None, extra_env: dict[str, str]
+    port: int,
+    overrides: tuple[str, ...],
+    config: str | None,
+    extra_env: dict[str, str],
+    flags: Sequence[str],
 ) -> ServerProcess:
-    command = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "splitserve.cli", "serve", *flags, "--port", str(port)]
     if config is not None:
         command += ["--config", config]
     for item in overrides:

@@ -8,6 +8,7 @@ from typing import Any
 
 import zmq
 
+from splitserve import curve
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
 from tests.support.wait import wait_for
@@ -22,10 +23,11 @@ class ApiEnd:
     def __init__(self, info: dict[str, Any], sealer: Sealer) -> None:
         self.sealer = sealer
         self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
+        keys = sealer.curve_keys()
+        self.push = curve.client(self.ctx.socket(zmq.PUSH), keys)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(info["request_addr"])
-        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull = curve.client(self.ctx.socket(zmq.PULL), keys)
         self.pull.connect(info["output_addr"])
         self.seen: list[msg.Message] = []
         self.errors: dict[str, msg.RequestError] = {}

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from splitserve.services.api import admin, chat, completions
+from splitserve.services.api import admin, chat, completions, messages_api, responses
 from splitserve.services.api.auth import check_api_key
 from splitserve.services.api.errors import BodyLimitMiddleware, install_error_handlers
 from splitserve.services.api.serving import ServerState, get_state
@@ -41,6 +41,8 @@ def build_app(state: ServerState, scaler: admin.PoolScaler | None = None) -> Fas
     )
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
+    app.include_router(messages_api.router)
     app.include_router(admin.router)
     app.add_api_route(
         "/v1/models", list_models, methods=["GET"], dependencies=[Depends(check_api_key)]

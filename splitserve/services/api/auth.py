@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer <key>`` on every /v1 route when keys are configured."""
+"""API keys: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on every /v1
+route when keys are configured."""
 
 from __future__ import annotations
 
@@ -29,10 +30,18 @@ def check_api_key(request: Request) -> None:
         )
 
 
-def bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
-    """Whether the request's bearer token is one of ``keys``, each compared in constant time."""
+def presented_key(request: Request) -> bytes:
+    """The request's key: its bearer token, else its x-api-key header (empty without one)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    if scheme.lower() == "bearer":
+        return token.strip().encode()
+    return request.headers.get("x-api-key", "").strip().encode()
+
+
+def bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
+    """Whether the request's key (``presented_key``) is one of ``keys``, each compared in
+    constant time."""
+    presented = presented_key(request)
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(presented, key.encode())

@@ -9,6 +9,7 @@ from collections import Counter
 
 from fastapi import Request
 
+from splitserve.services.api.auth import presented_key
 from splitserve.services.api.errors import APIError
 
 RETRY_AFTER_S = 1
@@ -41,8 +42,7 @@ class ClientShares:
 
 
 def client_of(request: Request, keyed: bool) -> str:
-    """keyed (API keys configured): a digest of the bearer token; else the client address."""
+    """keyed (API keys configured): a digest of the key presented; else the client address."""
     if keyed:
-        token = request.headers.get("authorization", "").encode()
-        return "key:" + hashlib.sha256(token).hexdigest()[:16]
+        return "key:" + hashlib.sha256(presented_key(request)).hexdigest()[:16]
     return "addr:" + (request.client.host if request.client else "")

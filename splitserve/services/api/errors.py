@@ -1,4 +1,6 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status.
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status;
+on Anthropic's paths (/v1/messages and below) Anthropic's shape, ``{"type": "error",
+"error": {"type", "message"}}``, its type named by the status.
 
 Every failure path of the app ends here, so a bad request gets a clear answer and the
 server keeps serving.
@@ -53,8 +55,32 @@ def error_body(message: str, type: str, param: str | None, code: str | None) -> 
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    body = error_body(exc.message, exc.type, exc.param, exc.code)
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_body(exc: APIError) -> dict[str, Any]:
+    """Anthropic's error body: invalid_request_error for a 4xx it names no other type for,
+    api_error for a 5xx."""
+    default = "invalid_request_error" if exc.status < 500 else "api_error"
+    kind = ANTHROPIC_TYPES.get(exc.status, default)
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """The error as the API at ``path`` shapes it."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        body = anthropic_body(exc)
+    else:
+        body = error_body(exc.message, exc.type, exc.param, exc.code)
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
@@ -78,7 +104,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, "internal server error", "server_error"))
+        crash = APIError(500, "internal server error", "server_error")
+        return error_response(crash, request.url.path)
 
 
 def refusal(request: Request, exc: APIError) -> JSONResponse:
@@ -92,7 +119,7 @@ def refusal(request: Request, exc: APIError) -> JSONResponse:
             "message": exc.message[:MAX_LOGGED_CHARS],
         }
         request_log.info(json.dumps({"refused": line}))
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:
@@ -155,7 +182,7 @@ class BodyLimitMiddleware:
             return
         refused = self._refusal(scope.get("headers", []))
         if refused is not None:
-            await error_response(refused)(scope, receive, send)
+            await error_response(refused, scope.get("path", ""))(scope, receive, send)
             return
         received = 0
         deadline: float | None = None

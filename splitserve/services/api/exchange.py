@@ -14,7 +14,9 @@ One reader task takes every message the workers send: deltas and errors go to th
 owns the request, WorkerStats to the pool (heartbeats), IndexUpdate to the prefix lookup.
 A worker that stops (WorkerFailed, its process died: ``worker_stopped``; once a second, those
 whose heartbeat stopped) no longer takes requests, and every request waiting on it migrates
-to the workers left (migration.py) or fails with a 503. A message that does not decode, or
+to the workers left (migration.py), waits for one to come back (holds.py) or fails with a
+503. Every request has a deadline (``request_timeout_s``): past it, the sweep fails it with a
+504 and aborts it on its workers. A message that does not decode, or
 whose handling raises, is logged and dropped, and the request it concerns fails (500) instead
 of waiting forever; the reader goes on. Nothing here runs model code.
 """
@@ -29,11 +31,12 @@ from functools import partial
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.router.prefix_lookup import PrefixLookup
-from splitserve.router.router import Route, Router
+from splitserve.router.router import NoWorkerError, Route, Router
 from splitserve.services import messages as msg
+from splitserve.services.api.holds import Holds
 from splitserve.services.api.images import PromptImages
 from splitserve.services.api.inflight import InFlight
-from splitserve.services.api.migration import Migrations, Submission, as_original
+from splitserve.services.api.migration import Migrations, Outcome, Submission, as_original
 from splitserve.services.api.request_group import QueueFullError, RequestGroup
 from splitserve.services.api.routing import Routing
 from splitserve.services.api.worker_pool import WorkerPool
@@ -42,6 +45,9 @@ from splitserve.services.metrics import Metrics
 
 SWEEP_INTERVAL_S = 1.0
 READ_RETRY_S = 0.01
+HOLD_POLL_S = 0.05
+REQUEST_TIMEOUT_S = 600.0
+RESTART_WAIT_S = 30.0
 
 log = logging.getLogger("splitserve.api")
 
@@ -56,9 +62,13 @@ class RequestExchange:
         block_size: int = 16,
         prefix: PrefixLookup | None = None,
         migration_limit: int = 3,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        restart_wait_s: float = RESTART_WAIT_S,
     ) -> None:
         """prefix: the prefix index lookup that routing uses (None: load only).
-        migration_limit: how often a request may move off a worker that stopped."""
+        migration_limit: how often a request may move off a worker that stopped.
+        request_timeout_s: every request's deadline from its admission. restart_wait_s: how
+        long a request waits for a stopped worker's pool to have one again (holds.py)."""
         self.pool = pool
         self.max_queue = max_queue
         self.metrics = metrics
@@ -69,6 +79,8 @@ class RequestExchange:
         self.migrations = Migrations(
             migration_limit, metrics, pool, self.inflight, self.routing, self._send
         )
+        self.request_timeout_s = request_timeout_s
+        self.holds = Holds(restart_wait_s)
         self.on_worker_failed: Callable[[str], None] | None = None
         """Told the id of a worker that sent WorkerFailed (its supervisor restarts it)."""
         self._reader: asyncio.Task[None] | None = None
@@ -96,9 +108,19 @@ class RequestExchange:
         traffic_class: str | None = None,
         images: PromptImages | None = None,
     ) -> RequestGroup:
-        """``submit``, with the prefix index's answers for the prompts asked first."""
+        """``submit``, with the prefix index's answers for the prompts asked first; while a
+        pool it needs is empty because its workers stopped, it waits for a restart (up to
+        restart_wait_s) before the NoWorkerError."""
         cached = await self.routing.cached([prompt_ids for _, prompt_ids, _ in requests])
-        return self.submit(requests, traffic_class, images, cached)
+        since = time.monotonic()
+        while True:
+            try:
+                return self.submit(requests, traffic_class, images, cached)
+            except NoWorkerError:
+                waited = time.monotonic() - since
+                if waited >= self.holds.wait_s or not self.pool.restarting():
+                    raise
+            await asyncio.sleep(HOLD_POLL_S)
 
     def submit(
         self,
@@ -123,8 +145,10 @@ class RequestExchange:
                 blocks = cached[index] if cached is not None else {}
                 route, workers = self.routing.route(request_id, prompt_ids, images, blocks)
                 decode = workers[route.decode]
-                tracked = Tracked(group, index, decode, time.monotonic(), request_id=request_id)
+                now = time.monotonic()
+                tracked = Tracked(group, index, decode, now, request_id=request_id)
                 tracked.submission = submission
+                tracked.deadline = now + self.request_timeout_s
                 self._send(request_id, tracked, submission, route, workers)
         except BaseException:
             # NOTE: a request admitted before the failure (or the one whose send raised, for
@@ -189,7 +213,7 @@ class RequestExchange:
         message = msg.EncodeImages(request_id, images.data, prefill.worker_id, prefill.kv_addr)
         self.pool.send(vision, message)
 
-    def abort(self, request_ids: Sequence[str]) -> None:
+    def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Stop requests that have not finished; their workers free the KV blocks."""
         by_worker: dict[WorkerState, list[str]] = {}
         for original_id in request_ids:
@@ -199,7 +223,7 @@ class RequestExchange:
             if tracked is None:
                 continue
             hops = tracked.hops()  # before remove(), which ends the prompt's hops
-            self.inflight.remove(request_id, "abort")
+            self.inflight.remove(request_id, reason)
             for worker in hops:
                 by_worker.setdefault(worker, []).append(request_id)
         for worker, ids in by_worker.items():
@@ -218,6 +242,8 @@ class RequestExchange:
             if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
                 last_sweep = time.monotonic()
                 self._guarded(None, self._fail_lost_requests)
+                self._guarded(None, self._retry_held)
+                self._guarded(None, self._expire_overdue)
 
     def _handle(self, data: bytes) -> None:
         try:
@@ -300,6 +326,18 @@ class RequestExchange:
         )
         self.pool.count_workers()
 
+    def _retry_held(self) -> None:
+        for held in self.holds.all():
+            retry = partial(self._migrate_or_fail, held.error, held.stopped, held.reason)
+            self._guarded(held.error.request_id, retry)
+
+    def _expire_overdue(self) -> None:
+        """Requests past their deadline fail with a 504 and leave their workers."""
+        for request_id, tracked in self.inflight.overdue(time.monotonic()):
+            text = f"the request did not finish within {self.request_timeout_s:g} s (the deadline)"
+            tracked.group.queue.put_nowait((tracked.index, msg.RequestError(request_id, text, 504)))
+            self.abort([tracked.request_id], "deadline")
+
     def _fail_waiting(
         self, workers: list[WorkerState], why: Callable[[WorkerState], str], reason: str
     ) -> None:
@@ -320,8 +358,12 @@ class RequestExchange:
     def _migrate_or_fail(
         self, error: msg.RequestError, stopped: WorkerState | None, reason: str
     ) -> None:
-        if not self.migrations.migrate(error.request_id, stopped, reason):
-            self._on_error(error, reason)
+        outcome = self.migrations.migrate(error.request_id, stopped, reason)
+        if outcome is Outcome.WAIT and self.holds.keep(error, stopped, reason):
+            return
+        first = self.holds.release(error.request_id) or error
+        if outcome is not Outcome.MOVED:
+            self._on_error(first, reason)
 
     def _on_delta(self, delta: msg.TokenDelta) -> None:
         tracked = self.inflight.get(delta.request_id)

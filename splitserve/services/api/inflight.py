@@ -84,6 +84,10 @@ class InFlight:
         longer count it; ``add`` tracks its next attempt."""
         return self._untrack(request_id)
 
+    def overdue(self, now: float) -> list[tuple[str, Tracked]]:
+        """(request id, Tracked) for each request past its deadline."""
+        return [(r, t) for r, t in self._tracked.items() if t.deadline < now]
+
     def waiting_on(self, workers: Sequence[WorkerState]) -> list[tuple[str, WorkerState]]:
         """(request id, the first of ``workers`` it waits on) for each request waiting on one."""
         waiting = []

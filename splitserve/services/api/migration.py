@@ -16,6 +16,7 @@ before. Each move is counted in ``request_migrations_total``, labelled by the wo
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,14 @@ from splitserve.services.api.worker_view import Tracked, WorkerState
 from splitserve.services.metrics import Metrics
 
 log = logging.getLogger("splitserve.api")
+
+
+class Outcome(enum.Enum):
+    MOVED = "moved"
+    WAIT = "wait"
+    """A pool it needs has no healthy worker now (one may be back soon: holds.py)."""
+    FAILED = "failed"
+    """Past the limit, or nothing to send again."""
 
 
 Send = Callable[[str, Tracked, Submission, Route, dict[str, WorkerState]], None]
@@ -65,13 +74,14 @@ class Migrations:
         """The request (by its original id) is over."""
         self._current.pop(request_id, None)
 
-    def migrate(self, request_id: str, stopped: WorkerState | None, why: str) -> bool:
+    def migrate(self, request_id: str, stopped: WorkerState | None, why: str) -> Outcome:
         """Send the attempt ``request_id`` again, after the tokens its client got, to the
-        workers left; False (nothing done) past the limit or with a pool left empty.
+        workers left (MOVED); nothing is done past the limit (FAILED) or with no healthy
+        worker in a pool it needs (WAIT).
         stopped: the worker it leaves (None: a worker failed it; its decode worker is named)."""
         tracked = self.inflight.get(request_id)
         if tracked is None or tracked.submission is None or tracked.migrations >= self.limit:
-            return False
+            return Outcome.FAILED
         resumed = tracked.submission.resumed_after(tracked.token_ids, tracked.text_chars)
         new_id = f"{tracked.request_id}.m{tracked.migrations + 1}"
         try:
@@ -79,11 +89,11 @@ class Migrations:
             # where the prefix index is not asked (a remote one could stall it).
             route, workers = self.routing.route(new_id, resumed.prompt_ids, resumed.images, {})
         except NoWorkerError as exc:
-            log.warning("request %s cannot migrate: %s", request_id, exc)
-            return False
+            log.info("request %s cannot migrate now: %s", request_id, exc)
+            return Outcome.WAIT
         chosen = [workers[w] for w in (route.decode, route.prefill, route.vision) if w]
         if any(w is stopped or not self._healthy(w) for w in chosen):
-            return False  # the router found no healthy worker in a pool: nowhere to go
+            return Outcome.WAIT  # the router found no healthy worker in a pool: not now
         for worker in tracked.hops():
             if worker is not stopped:
                 self.pool.send(worker, msg.AbortRequest([request_id]))
@@ -95,7 +105,7 @@ class Migrations:
         self.metrics.request_migrations.labels(*key, why).inc()
         log.info("request %s continues as %s (%s)", request_id, new_id, why)
         self._send(new_id, tracked, resumed, route, workers)
-        return True
+        return Outcome.MOVED
 
     def _healthy(self, worker: WorkerState) -> bool:
         return worker.healthy(time.monotonic(), self.pool.heartbeat_timeout_s)

@@ -48,6 +48,27 @@ MAX_COUNT = 2**31 - 1
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 
+TEMPLATE_OWN_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""apply_chat_template's own arguments: chat_template_kwargs may not set them."""
+
 Count = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT, strict=True)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -240,6 +261,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template (vLLM's field), e.g. ``{"enable_thinking": false}``."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if key in TEMPLATE_OWN_ARGUMENTS or not key.isidentifier():
+                raise ValueError(f"{key!r} is not a chat template variable that can be set")
+        return kwargs
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -277,6 +308,12 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def thinking_asked(self) -> bool | None:
+        """The request's thinking switch: chat_template_kwargs' enable_thinking, if a bool."""
+        asked = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return asked if isinstance(asked, bool) else None
 
     @property
     def num_logprobs(self) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from splitserve.services.api.constraints import ConstraintCheck
 from splitserve.services.api.errors import MAX_LOGGED_CHARS, APIError, error_body, logger
 from splitserve.services.api.exchange import RequestExchange
 from splitserve.services.api.images import PromptImages
+from splitserve.services.api.output import OutputFormat
 from splitserve.services.api.protocol import SamplingFields
 from splitserve.services.api.request_group import EngineRequestError, QueueFullError, RequestGroup
 from splitserve.services.messages import TokenDelta, TokenLogprob
@@ -43,15 +44,18 @@ class ServerState:
     """Checks structured-output constraints before they reach a worker."""
     shares: ClientShares = field(init=False)
     """What each client holds of the admission bound."""
+    output: OutputFormat = field(init=False)
+    """How the model writes reasoning and tool calls."""
 
     def __post_init__(self) -> None:
         server = self.config.server
         self.constraints = ConstraintCheck(self.tokenizer, server.grammar_timeout_s)
         self.shares = ClientShares(server.max_queue, server.client_share)
+        self.output = OutputFormat.of(server, self.tokenizer)
 
     @property
     def model_name(self) -> str:
-        return self.config.model
+        return self.config.server.served_model_name or self.config.model
 
 
 def get_state(request: Request) -> ServerState:
@@ -223,6 +227,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token that ended the choice."""
     num_cached_tokens: int = 0
 
     def add(self, delta: TokenDelta) -> None:
@@ -230,6 +236,7 @@ class Choice:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
         self.num_cached_tokens = delta.num_cached_tokens
 
 
@@ -319,28 +326,37 @@ def error_of(exc: EngineRequestError) -> APIError:
     return APIError(exc.status, str(exc), "server_error", code="request_failed")
 
 
-def sse_error(exc: EngineRequestError) -> str:
-    error = error_of(exc)
-    return sse(error_body(error.message, error.type, error.param, error.code))
-
-
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def ended(content: AsyncIterator[str]) -> AsyncIterator[bytes]:
-    """The events of a stream, encoded here, then ``[DONE]``: whatever fails on the way (a
-    worker's error, the output's handling, an event that does not encode) ends the stream
-    with an error event first, logged in one line."""
+@dataclass(frozen=True)
+class StreamStyle:
+    """How an API ends a stream: the event that reports an error, and the closing line."""
+
+    error: Callable[[APIError], str]
+    done: str
+
+
+OPENAI_STREAM = StreamStyle(lambda e: sse(error_body(e.message, e.type, e.param, e.code)), SSE_DONE)
+INTERNAL_ERROR = APIError(500, "internal server error", "server_error")
+
+
+async def ended(
+    content: AsyncIterator[str], style: StreamStyle = OPENAI_STREAM
+) -> AsyncIterator[bytes]:
+    """The events of a stream, encoded here, then the style's closing line (OpenAI's
+    ``[DONE]``): whatever fails on the way (a worker's error, the output's handling, an event
+    that does not encode) ends the stream with an error event first, logged in one line."""
     try:
         async for event in content:
             yield event.encode()
     except EngineRequestError as exc:
-        yield sse_error(exc).encode()
+        yield style.error(error_of(exc)).encode()
     except Exception as exc:  # the stream must still end with an error event and [DONE]
         logger.error("a stream failed: %s", repr(exc)[:MAX_LOGGED_CHARS])
-        yield sse(error_body("internal server error", "server_error", None, None)).encode()
-    yield SSE_DONE.encode()
+        yield style.error(INTERNAL_ERROR).encode()
+    yield style.done.encode()
 
 
 class GroupStream(StreamingResponse):
@@ -350,8 +366,14 @@ class GroupStream(StreamingResponse):
     NOTE: the stream's own ``finally`` is not enough: an async generator that never started
     (the client left before the first byte) runs none of its code when it is dropped."""
 
-    def __init__(self, group: RequestGroup, content: AsyncIterator[str]) -> None:
-        super().__init__(ended(content), media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(
+        self,
+        group: RequestGroup,
+        content: AsyncIterator[str],
+        style: StreamStyle = OPENAI_STREAM,
+    ) -> None:
+        stream = ended(content, style)
+        super().__init__(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,8 +9,9 @@ streamed answer and a full one never differ.
 - ``NamedParser``: a named function: the whole output is its arguments (held to its schema).
 - ``ListParser``: tool_choice required: the output is ``[{"name": ..., "arguments": {...}},
   ...]`` (held to the tools by the grammar); each call streams as it is written.
-- ``HermesParser``: tool_choice auto: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-  blocks become calls, the text outside stays content.
+- ``MarkedParser``: tool_choice auto: calls between marks, the text outside them content;
+  ``HermesParser`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) here, the
+  other formats (DeepSeek, Llama 3 JSON, Mistral) in tool_formats.py.
 """
 
 from __future__ import annotations
@@ -162,18 +163,20 @@ class ListParser(OutputParser):
             self.args_sent = end
 
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-class HermesParser(OutputParser):
-    """tool_choice auto, Hermes-style templates: each ``<tool_call>`` block whose JSON has the
-    name of an offered tool and object arguments, valid Unicode throughout, is a call; anything
-    else, an unclosed block, one that does not parse, names another tool or holds a lone
-    surrogate (``"\\ud800"`` parses to one) included, is content. Text that may be the start of
-    a block is held back until it is known, and trailing whitespace until more content
-    follows: it is dropped when the output has calls.
+class MarkedParser(OutputParser):
+    """tool_choice auto: calls written between an ``open`` and a ``close`` mark (``close``
+    None: the calls run to the end of the output), the text outside them content. A region
+    that ``calls_in`` does not read as calls of offered tools, with object arguments, valid
+    Unicode throughout, is content as written (never an error); so is an unclosed region. Text
+    that may be the start of ``open`` is held back until it is known, and trailing whitespace
+    until more content follows: it is dropped when the output has calls. Calls are reported
+    as each region closes. ``dropped``: marks around the calls that are never content.
 
     names: the offered tools' names."""
+
+    open = ""
+    close: str | None = None
+    dropped: tuple[str, ...] = ()
 
     def __init__(self, names: frozenset[str]) -> None:
         super().__init__()
@@ -182,25 +185,34 @@ class HermesParser(OutputParser):
         self.inside = False
         self.pending = ""
 
+    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
+        """The (name, arguments) pairs a region holds, None when it holds none."""
+        raise NotImplementedError
+
     def feed(self, text: str) -> list[Event]:
         self.buffer += text
+        for mark in self.dropped:
+            self.buffer = self.buffer.replace(mark, "")
         events: list[Event] = []
         while True:
-            mark = CLOSE if self.inside else OPEN
-            at = self.buffer.find(mark)
+            mark = (self.close if self.inside else self.open) or ""
+            at = self.buffer.find(mark) if mark else -1
             if at < 0:
                 break
             block, self.buffer = self.buffer[:at], self.buffer[at + len(mark) :]
-            events += self._call(block) if self.inside else self._content(block)
+            events += self._region(block, True) if self.inside else self._content(block)
             self.inside = not self.inside
         if not self.inside:
-            keep = _partial_suffix(self.buffer, OPEN)
+            keep = max(partial_suffix(self.buffer, m) for m in (self.open, *self.dropped))
             events += self._content(self.buffer[: len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep :]
         return events
 
     def finish(self) -> list[Event]:
-        events = self._content(OPEN + self.buffer if self.inside else self.buffer)
+        if self.inside:
+            events = self._region(self.buffer, self.close is None)
+        else:
+            events = self._content(self.buffer)
         self.buffer = ""
         if self.pending and not self.calls:
             events.append(self.pending)
@@ -212,22 +224,39 @@ class HermesParser(OutputParser):
         self.pending = text[len(body) :]
         return [body] if body else []
 
-    def _call(self, block: str) -> list[Event]:
+    def _region(self, block: str, closed: bool) -> list[Event]:
+        written = self.open + block + ((self.close or "") if closed else "")
         try:
-            call = json.loads(block)
-        except (json.JSONDecodeError, RecursionError):
-            call = None
-        name = call.get("name") if isinstance(call, dict) else None
-        if not (isinstance(name, str) and name in self.names):
-            return self._content(OPEN + block + CLOSE)
-        arguments = call.get("arguments", {})
-        if not (isinstance(arguments, dict) and surrogate_free(arguments)):
-            return self._content(OPEN + block + CLOSE)
+            found = self.calls_in(block) if closed else None
+        except (ValueError, RecursionError):
+            found = None
+        if not found or not all(self._valid(name, arguments) for name, arguments in found):
+            return self._content(written)
         self.pending = ""
-        return [self._header(call["name"], json.dumps(arguments, ensure_ascii=False))]
+        return [self._header(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
+
+    def _valid(self, name: Any, arguments: Any) -> bool:
+        return (
+            isinstance(name, str)
+            and name in self.names
+            and isinstance(arguments, dict)
+            and surrogate_free(arguments)
+        )
 
 
-def _partial_suffix(text: str, mark: str) -> int:
+class HermesParser(MarkedParser):
+    """Hermes-style templates: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
+
+    open, close = "<tool_call>", "</tool_call>"
+
+    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
+        call = json.loads(region)
+        if not isinstance(call, dict):
+            return None
+        return [(call.get("name"), call.get("arguments", {}))]
+
+
+def partial_suffix(text: str, mark: str) -> int:
     """The length of the longest end of ``text`` that is a beginning of ``mark``."""
     for size in range(min(len(text), len(mark) - 1), 0, -1):
         if mark.startswith(text[-size:]):
@@ -236,17 +265,22 @@ def _partial_suffix(text: str, mark: str) -> int:
 
 
 def message(parser: OutputParser, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole choice's (content, tool_calls): its text through the parser, merged. The
-    content is None when there are calls and no other text."""
-    events = parser.feed(text) + parser.finish()
+    """A whole choice's (content, tool_calls): its text through the parser, merged."""
+    return merge(parser.feed(text) + parser.finish())
+
+
+def merge(events: list[Event]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Events merged into (content, tool_calls). The content is None when there are calls
+    and no other text."""
     content = "".join(e for e in events if isinstance(e, str))
     calls: list[dict[str, Any]] = []
     for event in events:
-        if isinstance(event, ToolCallDelta):
-            if event.id is not None:
-                calls.append(tool_call(event))
-            else:
-                calls[event.index]["function"]["arguments"] += event.arguments
+        if not isinstance(event, ToolCallDelta):
+            continue
+        if event.id is not None:
+            calls.append(tool_call(event))
+        else:
+            calls[event.index]["function"]["arguments"] += event.arguments
     return (content or None) if calls else content, calls
 
 

@@ -15,7 +15,13 @@ from pydantic import BaseModel, Field, field_validator
 
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api.errors import APIError
-from splitserve.services.api.tool_calls import HermesParser, ListParser, NamedParser, OutputParser
+from splitserve.services.api.tool_calls import (
+    HermesParser,
+    ListParser,
+    MarkedParser,
+    NamedParser,
+    OutputParser,
+)
 
 MAX_TOOLS = 128
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -79,14 +85,15 @@ class ToolPlan:
             return StructuredOutputsParams(json=json.dumps(calls_schema(self.tools)))
         return None
 
-    def parser(self) -> OutputParser:
+    def parser(self, auto: type[MarkedParser] = HermesParser) -> OutputParser:
+        """The output's parser; ``auto``: the format of the model's calls (tool_formats.py)."""
         if self.mode == "named":
             assert self.name is not None
             return NamedParser(self.name)
         if self.mode == "required":
             return ListParser()
         if self.mode == "auto":
-            return HermesParser(frozenset(t.function.name for t in self.tools))
+            return auto(frozenset(t.function.name for t in self.tools))
         return OutputParser()
 
     @property

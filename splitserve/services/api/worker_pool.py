@@ -1,7 +1,9 @@
 """The API server's worker pool: membership, sockets, heartbeats and each worker's load.
 
 One PUSH socket per worker carries requests and aborts; one PULL socket, connected to every
-worker, brings their output back (the request exchange reads it, exchange.py). WorkerStats
+worker, brings their output back (the request exchange reads it, exchange.py). Both are
+CurveZMQ clients with the deployment's keys (splitserve/curve.py): the workers admit nobody
+else. WorkerStats
 (from the worker's loop) and Heartbeats (from a thread of its own, so that a step longer than
 the timeout does not look like a dead worker) are the heartbeats: a worker silent for
 ``heartbeat_timeout_s`` is unhealthy, and one that sent
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
+from splitserve import curve
 from splitserve.services import messages as msg
 from splitserve.services.api.worker_view import WorkerEndpoint, WorkerState
 from splitserve.services.metrics import API_POOL, Metrics
@@ -45,14 +48,15 @@ class WorkerPool:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._pull = self._async_ctx.socket(zmq.PULL)
+        self._keys = sealer.curve_keys()
+        self._pull = curve.client(self._async_ctx.socket(zmq.PULL), self._keys)
         self._workers: list[WorkerState] = []
         """Every worker ever added, oldest first; removed ones stay, marked removed."""
         for endpoint in endpoints:
             self._connect(endpoint)
 
     def _connect(self, endpoint: WorkerEndpoint) -> None:
-        socket = self._sync_ctx.socket(zmq.PUSH)
+        socket = curve.client(self._sync_ctx.socket(zmq.PUSH), self._keys)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(endpoint.request_addr)
@@ -104,6 +108,11 @@ class WorkerPool:
 
     def _live(self) -> list[WorkerState]:
         return [w for w in self._workers if not w.removed]
+
+    def restarting(self) -> bool:
+        """Some worker stopped and is still in the pool: its supervisor is restarting it
+        (the restarted one replaces it under its id)."""
+        return any(w.failed is not None for w in self._live())
 
     def count(self, role: str) -> int:
         """Workers of a role that are not removed (draining and failed ones included)."""

@@ -8,6 +8,7 @@ it runs and how far it got.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -133,6 +134,8 @@ class Tracked:
     text_chars: int = 0
     """The characters of text its client has been sent."""
     migrations: int = 0
+    deadline: float = math.inf
+    """When the API server ends it with a 504 (time.monotonic; server.request_timeout_s)."""
 
     def hops(self) -> list[WorkerState]:
         """The workers that hold something of its current attempt."""

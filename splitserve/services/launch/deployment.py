@@ -20,7 +20,7 @@ from splitserve.config import DeployConfig, PoolConfig
 from splitserve.services.sealing import Sealer
 
 if TYPE_CHECKING:
-    from splitserve.kvstore.transfer import StoreAddress
+    from splitserve.kvstore.rendezvous import StoreAddress
 
 OBJECT_STORE_BYTES = 128 << 20
 PROGRESS_S = 10.0
@@ -101,9 +101,11 @@ class Deployment:
         config = self.config
         groups = any(p.expert_parallel > 1 for p in config.pools.values())
         if config.disaggregated or groups:  # the KV transport's and the groups' rendezvous
-            from splitserve.kvstore.transfer import start_store
+            from splitserve.kvstore.rendezvous import start_store
 
-            self._store, self._store_addr = start_store(_driver_host(config.server.internal_host))
+            self._store, self._store_addr = start_store(
+                _driver_host(config.server.internal_host), self.sealer.store_key()
+            )
         # Every pool's replicas are placed first and started together: their processes load
         # their engines side by side instead of one pool after the other.
         placed = [self._place(n) for n, p in config.pools.items() for _ in range(p.replicas)]
@@ -210,6 +212,7 @@ class Deployment:
                     images=self.config.images,
                     sealer=self.sealer,
                     expert_group=expert_group,
+                    max_body_bytes=self.config.server.max_body_bytes,
                 )
             )
         )
@@ -267,7 +270,9 @@ class Deployment:
         # and the process aborted (SIGABRT) after a clean stop.
         if ray.is_initialized():
             ray.shutdown()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def local_label_totals(pools: Mapping[str, PoolConfig]) -> dict[str, float]:

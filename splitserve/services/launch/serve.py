@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from splitserve.config import ConfigError, DeployConfig, load_config
+from splitserve.services.launch import vllm_flags
 from splitserve.services.launch.deployment import Deployment, WorkerStartError
 
 READY_TIMEOUT_S = 60.0
@@ -27,6 +28,7 @@ COMPILE_SETTLE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    vllm_flags.add_arguments(parser)
     parser.add_argument("--config", default=None, help="deployment YAML (default: local.yaml)")
     parser.add_argument(
         "--set",
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.address is not None:
         overrides.append(f"ray.address={args.address}")
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, overrides, vllm_flags.flag_values(args))
     except ConfigError as exc:
         print(f"splitserve: config error: {exc}", file=sys.stderr)
         return 2
@@ -128,6 +130,8 @@ async def _serve(deployment: Deployment) -> None:
         block_size=block_size,
         prefix=PrefixLookup(index, block_size),
         migration_limit=config.server.migration_limit,
+        request_timeout_s=config.server.request_timeout_s,
+        restart_wait_s=config.server.restart_wait_s,
     )
     client.start()
     loop = asyncio.get_running_loop()

@@ -31,10 +31,12 @@ from typing import Any
 import torch
 import zmq
 
+from splitserve import curve
 from splitserve.engine.phases import PhaseTimer
 from splitserve.kvstore.transfer import KVTransport
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Forged, Rejections
+from splitserve.services.workers import limits
 from splitserve.services.workers.channels import peer_name
 from splitserve.services.workers.spec import WorkerSpec
 
@@ -124,15 +126,13 @@ class Worker(ABC):
         if self.spec.threads > 0:
             torch.set_num_threads(self.spec.threads)
         self._load()
-        host = self.spec.bind_host
         self._ctx = zmq.Context()
-        self._requests = self._ctx.socket(zmq.PULL)
-        self._outputs = self._ctx.socket(zmq.PUSH)
+        self.gate = curve.Gate(self._ctx, self.sealer.curve_keys())
+        """Admits to the worker's sockets only the deployment's processes (splitserve/curve.py)."""
+        self._requests, self.request_addr = self._bind(zmq.PULL, self._request_bytes())
+        self._outputs, output_addr = self._bind(zmq.PUSH, limits.OUTPUT_SOCKET_BYTES)
         self._outputs.setsockopt(zmq.SNDHWM, 0)
         self._outputs.setsockopt(zmq.LINGER, 0)
-        request_port = self._requests.bind_to_random_port(f"tcp://{host}")
-        output_port = self._outputs.bind_to_random_port(f"tcp://{host}")
-        self.request_addr = f"tcp://{host}:{request_port}"
         self._poller = zmq.Poller()
         self._poller.register(self._requests, zmq.POLLIN)
         self._setup()
@@ -148,7 +148,7 @@ class Worker(ABC):
             model_name=self.model_name,
             max_model_len=self.max_model_len,
             request_addr=self.request_addr,
-            output_addr=f"tcp://{host}:{output_port}",
+            output_addr=output_addr,
             kv_addr=self.kv_addr,
             pid=os.getpid(),
         ).to_dict()
@@ -160,12 +160,25 @@ class Worker(ABC):
             self._heartbeat.join(timeout=10)
         if self._thread is not None:
             self._thread.join(timeout=10)
+            self.gate.stop()
             self._ctx.destroy(linger=0)
 
     def wait_stopped(self) -> None:
         """Returns once ``stop`` was called: a supervisor keeps this call pending to learn
         when the process dies (Ray fails the call then; services/launch/supervisor.py)."""
         self._stop.wait()
+
+    def _bind(self, kind: int, max_bytes: int) -> tuple[zmq.Socket, str]:
+        """A socket on a free port of the worker's host, taking only the deployment's
+        processes (CurveZMQ) and messages of at most ``max_bytes``; and its address."""
+        socket = curve.server(self._ctx.socket(kind), self.sealer.curve_keys())
+        socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        host = self.spec.bind_host
+        return socket, f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
+
+    def _request_bytes(self) -> int:
+        """The largest message the request socket takes (services/workers/limits.py)."""
+        return limits.request_bytes(self.spec.max_body_bytes, self.max_model_len)
 
     @abstractmethod
     def _load(self) -> None:

@@ -36,6 +36,7 @@ from typing import Generic, TypeVar
 import torch
 import zmq
 
+from splitserve import curve
 from splitserve.kvstore.transfer import (
     KVTransport,
     TransferError,
@@ -224,7 +225,7 @@ class TensorSender:
     def _send_loop(self, peer: str, addr: str) -> None:
         outbox = self._outboxes[peer_name(peer, addr)]
         stream = TransferStream(self.transport.device)
-        socket = push_socket(self._ctx, addr)
+        socket = push_socket(self._ctx, addr, self._sealer)
         generation = 0
         try:
             while not self._stop.is_set():
@@ -271,9 +272,10 @@ def peer_name(worker_id: str, addr: str) -> str:
     return f"{worker_id}@{addr}"
 
 
-def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    """A PUSH socket to a peer that never blocks on a full queue and drops on close."""
-    socket = ctx.socket(zmq.PUSH)
+def push_socket(ctx: zmq.Context, addr: str, sealer: Sealer) -> zmq.Socket:
+    """A PUSH socket to a peer of the deployment (CurveZMQ with ``sealer``'s keys) that never
+    blocks on a full queue and drops on close."""
+    socket = curve.client(ctx.socket(zmq.PUSH), sealer.curve_keys())
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(addr)

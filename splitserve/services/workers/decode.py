@@ -29,6 +29,7 @@ import zmq
 from splitserve.engine.request import RequestOutput
 from splitserve.engine.vision.multimodal import ImageInput
 from splitserve.services import messages as msg
+from splitserve.services.workers import limits
 from splitserve.services.workers.base import open_transport
 from splitserve.services.workers.channels import TensorReceiver
 from splitserve.services.workers.engine_worker import EngineWorker, engine_position
@@ -53,9 +54,7 @@ class DecodeWorker(EngineWorker):
 
     def _setup(self) -> None:
         self.timeout_s = self.spec.transfer.timeout_s
-        self._headers = self._ctx.socket(zmq.PULL)
-        port = self._headers.bind_to_random_port(f"tcp://{self.spec.bind_host}")
-        self.kv_addr = f"tcp://{self.spec.bind_host}:{port}"
+        self._headers, self.kv_addr = self._bind(zmq.PULL, limits.HEADER_BYTES)
         self.transport = open_transport(self.spec, self.kv_addr)
         self._poller.register(self._headers, zmq.POLLIN)
         self._waiting: collections.deque[msg.Reserve] = collections.deque()

@@ -53,7 +53,7 @@ def join_group(spec: WorkerSpec, generation: int) -> GroupMember:
         torch.device(spec.engine.device),
         "auto",  # by device: NCCL on CUDA (the KV transport may stage through Gloo)
         max(FORM_TIMEOUT_S, spec.transfer.timeout_s),
-        spec.sealer.store_key(),
+        key=spec.sealer.store_key(),
     )
     return GroupMember(group.rank, process_group)
 

@@ -252,7 +252,7 @@ class PeerFetches:
 
     def _socket(self, addr: str) -> zmq.Socket:
         if addr not in self._sockets:
-            self._sockets[addr] = push_socket(self._ctx, addr)
+            self._sockets[addr] = push_socket(self._ctx, addr, self._sealer)
         return self._sockets[addr]
 
 

@@ -23,6 +23,7 @@ import zmq
 from splitserve.engine.kv_handoff import Prefilled
 from splitserve.engine.vision.multimodal import ImageInput
 from splitserve.services import messages as msg
+from splitserve.services.workers import limits
 from splitserve.services.workers.base import open_transport
 from splitserve.services.workers.channels import Outgoing, TensorReceiver, TensorSender
 from splitserve.services.workers.engine_worker import EngineWorker, wire_position
@@ -43,11 +44,7 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def _setup(self) -> None:
-        host = self.spec.bind_host
-        self._embeddings_socket = self._ctx.socket(zmq.PULL)
-        self.kv_addr = (
-            f"tcp://{host}:{self._embeddings_socket.bind_to_random_port(f'tcp://{host}')}"
-        )
+        self._embeddings_socket, self.kv_addr = self._bind(zmq.PULL, limits.HEADER_BYTES)
         self.transport = open_transport(self.spec, self.kv_addr)
         self._routes: dict[str, _Route] = {}
         self.sender = TensorSender(

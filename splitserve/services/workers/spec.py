@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.config import ImagesConfig, KVStoreConfig, PrefixIndexConfig, TransferConfig
+from splitserve.config import (
+    ImagesConfig,
+    KVStoreConfig,
+    PrefixIndexConfig,
+    ServerConfig,
+    TransferConfig,
+)
 from splitserve.engine.config import EngineConfig
-from splitserve.kvstore.transfer import StoreAddress
+from splitserve.kvstore.rendezvous import StoreAddress
 from splitserve.services.sealing import Sealer
 
 
@@ -34,7 +40,10 @@ class WorkerSpec:
     prefix_index / kv_store: the KV cache system its engine publishes to (prefill and colocated
     workers; None leaves it out). images: the deployment's image limits (vision workers).
     sealer: the deployment's secret, which every message to and from the worker is sealed
-    with (services/sealing.py); a spec built without one gets a random secret of its own.
+    with (services/sealing.py) and its sockets' CurveZMQ keys come from (splitserve/curve.py);
+    a spec built without one gets a random secret of its own.
+    max_body_bytes: server.max_body_bytes, which bounds the messages it takes
+    (services/workers/limits.py).
     expert_group: its rank in an expert-parallel group (None: a replica of its own).
     """
 
@@ -50,3 +59,4 @@ class WorkerSpec:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     sealer: Sealer = field(default_factory=Sealer)
     expert_group: ExpertGroup | None = None
+    max_body_bytes: int = ServerConfig.max_body_bytes

@@ -21,6 +21,7 @@ import torch
 
 from splitserve.engine.vision.image_inputs import ImageError, decode_image
 from splitserve.services import messages as msg
+from splitserve.services.workers import limits
 from splitserve.services.workers.base import Worker, open_transport
 from splitserve.services.workers.channels import Outgoing, TensorSender
 from splitserve.services.workers.encoder_cache import EncoderCache
@@ -49,6 +50,9 @@ class VisionWorker(Worker):
         self.encoder = VisionEncoder(
             resolve_model(config.model), config.device, resolve_dtype(config)
         )
+
+    def _request_bytes(self) -> int:
+        return limits.image_request_bytes(self.spec.images)
 
     def _setup(self) -> None:
         transport = open_transport(self.spec, self.request_addr)

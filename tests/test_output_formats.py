@@ -1,0 +1,197 @@
+"""Reasoning and the tool-call formats beside Hermes (issue 46), read from real model output:
+SmolLM2 held by a regex to write each format, its tokens detokenized as a worker streams
+them; every output read whole and token by token must give the same reasoning, content and
+calls. Malformed output is content, as written."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.llm import LLM
+from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from splitserve.server_config import ServerConfig
+from splitserve.services.api.output import Blocks, ChoiceReader, OutputFormat
+from splitserve.services.api.reasoning import Reasoning, ThinkSplitter, opened_in_prompt
+from splitserve.services.api.tool_calls import OutputParser, ToolCallDelta
+from splitserve.services.api.tool_formats import (
+    PARSERS,
+    DeepSeekParser,
+    Llama3JsonParser,
+    MistralParser,
+    detect,
+)
+from splitserve.services.api.tools import ToolDefinition, plan
+
+CITY = '\\{"city": "(Paris|Rome)"\\}'
+FORMATS = {
+    "deepseek_v3": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        + CITY
+        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    ),
+    "llama3_json": '\\{"name": "get_weather", "parameters": ' + CITY + "\\}",
+    "mistral": '\\[TOOL_CALLS\\]\\[\\{"name": "get_weather", "arguments": ' + CITY + "\\}\\]",
+    "hermes": '<tool_call>\\{"name": "get_weather", "arguments": ' + CITY + "\\}</tool_call>",
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMES = frozenset({"get_weather"})
+
+
+def model_output(llm: LLM, regex: str, max_tokens: int = 160) -> list[str]:
+    """The greedy output under ``regex``, as the text deltas a worker sends (one a token)."""
+    spec = StructuredOutputsParams(regex=regex)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=spec)
+    [output] = llm.chat(ASK, params, use_tqdm=False)
+    detok = IncrementalDetokenizer(llm.engine.tokenizer, [], [])
+    deltas = []
+    for token in output.outputs[0].token_ids:
+        before = len(detok.text)
+        detok.add(token, check_stop=False)
+        deltas.append(detok.text[before:])
+    detok.flush()
+    deltas[-1] += detok.text[len("".join(deltas)) :]
+    assert "".join(deltas) == output.outputs[0].text
+    return deltas
+
+
+def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> tuple[str, str, list[Any]]:
+    """(reasoning, content, [(name, arguments)]) put together from the events."""
+    events: list[Any] = []
+    for delta in deltas:
+        events += reader.feed(delta)
+    events += reader.finish()
+    thought = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content = "".join(e for e in events if isinstance(e, str))
+    calls: list[list[Any]] = []
+    for e in events:
+        if isinstance(e, ToolCallDelta):
+            if e.id is not None:
+                calls.append([e.name, ""])
+            calls[e.index][1] += e.arguments
+    return thought, content, [(name, json.loads(arguments)) for name, arguments in calls]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_from_model_output_read_whole_and_token_by_token(
+    smollm2_llm: LLM, name: str
+) -> None:
+    deltas = model_output(smollm2_llm, FORMATS[name])
+    whole = read(PARSERS[name](NAMES), ["".join(deltas)])
+    assert whole == ("", "", [("get_weather", {"city": "Paris"})])
+    assert read(PARSERS[name](NAMES), deltas) == whole
+    assert read(PARSERS[name](NAMES), list("".join(deltas))) == whole
+
+
+def test_reasoning_from_model_output_then_a_call(smollm2_llm: LLM) -> None:
+    regex = "<think>[a-z ]{4,24}</think>\n\n" + FORMATS["hermes"]
+    deltas = model_output(smollm2_llm, regex)
+    text = "".join(deltas)
+    thought = text[len("<think>") : text.index("</think>")]
+    tools = plan([ToolDefinition.model_validate(WEATHER_TOOL)], None)
+    reader = OutputFormat("hermes", True).reader(tools, "<|im_start|>assistant\n", None)
+    assert read(reader, deltas) == (thought, "", [("get_weather", {"city": "Paris"})])
+    assert reader.finish_reason("stop") == "tool_calls"
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+def test_a_block_opened_by_the_prompt_is_read_from_the_first_token() -> None:
+    assert opened_in_prompt("<|Assistant|><think>\n") and not opened_in_prompt("<think></think>")
+    splitter = ThinkSplitter(inside=True)
+    events = splitter.feed("a pl") + splitter.feed("an</th") + splitter.feed("ink>\n\nDone")
+    assert events + splitter.finish() == [Reasoning("a pl"), Reasoning("an"), "Done"]
+
+
+def test_text_that_only_looks_like_a_block_is_content() -> None:
+    for text in ("<thin", "<thinking>x", " plain <think>late</think>"):
+        splitter = ThinkSplitter(inside=False)
+        events = [e for c in text for e in splitter.feed(c)] + splitter.finish()
+        assert "".join(e for e in events if isinstance(e, str)) == text
+        assert not [e for e in events if isinstance(e, Reasoning)]
+    unclosed = ThinkSplitter(inside=False)
+    assert unclosed.feed("<think>still going") + unclosed.finish() == [Reasoning("still going")]
+
+
+MALFORMED = {
+    "deepseek_v3": [
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{bad}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>other<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}",
+    ],
+    "llama3_json": ['{"name": "get_weather", "parameters": [1]}', '{"name": 1}', "{not json"],
+    "mistral": ["[TOOL_CALLS][{}]", "[TOOL_CALLS]get_weather{}", "[TOOL_CALLS][1"],
+    "hermes": ["<tool_call>[]</tool_call>", '<tool_call>{"name": "x"}</tool_call>'],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_calls_are_content_as_written(name: str) -> None:
+    for text in MALFORMED[name]:
+        for deltas in ([text], list(text)):
+            assert read(PARSERS[name](NAMES), deltas) == ("", text, [])
+
+
+def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
+    v31 = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    assert read(DeepSeekParser(NAMES), list("Sure." + v31)) == (
+        "",
+        "Sure.",
+        [("get_weather", {"city": "Rome"})],
+    )
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_weather[ARGS]{}'
+    calls = [("get_weather", {"city": "Rome"}), ("get_weather", {})]
+    assert read(MistralParser(NAMES), list(v11)) == ("", "", calls)
+    llama = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+        '{"name": "get_weather", "parameters": {}}'
+    )
+    assert read(Llama3JsonParser(NAMES), list(llama)) == ("", "", calls)
+    assert read(Llama3JsonParser(NAMES), list("It is {sunny}.")) == ("", "It is {sunny}.", [])
+
+
+def test_the_format_follows_the_chat_template_unless_configured() -> None:
+    assert detect("{{'<｜tool▁call▁begin｜>' + tool['type'] }}") == "deepseek_v3"
+    assert detect("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
+    assert detect("<tool_call>\\n{{ tool_call | tojson }}\\n</tool_call>") == "hermes"
+    assert detect('{{ "<|python_tag|>" }}{"name": ..., "parameters": ...}') == "llama3_json"
+    assert detect(None) == "hermes"
+
+    class Tokenizer:
+        chat_template = "{{ '<think>' }}[TOOL_CALLS]"
+
+    assert OutputFormat.of(ServerConfig(), Tokenizer()) == OutputFormat("mistral", True)
+    chosen = ServerConfig(tool_call_parser="llama3_json", reasoning_parser="none")
+    assert OutputFormat.of(chosen, Tokenizer()) == OutputFormat("llama3_json", False)
+
+
+def test_blocks_group_events_in_order() -> None:
+    blocks = Blocks()
+    call = ToolCallDelta(0, '{"a"', "call_1", "f")
+    steps = blocks.feed([Reasoning("hm"), Reasoning("m"), "Hi", call, ToolCallDelta(0, ": 1}")])
+    steps += blocks.close()
+    assert [(what, b.index, b.kind, text) for what, b, text in steps] == [
+        ("start", 0, "reasoning", ""),
+        ("delta", 0, "reasoning", "hm"),
+        ("delta", 0, "reasoning", "m"),
+        ("stop", 0, "reasoning", ""),
+        ("start", 1, "text", ""),
+        ("delta", 1, "text", "Hi"),
+        ("stop", 1, "text", ""),
+        ("start", 2, "call", ""),
+        ("delta", 2, "call", '{"a"'),
+        ("delta", 2, "call", ": 1}"),
+        ("stop", 2, "call", ""),
+    ]
+    assert [(b.kind, b.text, b.name) for b in blocks.done] == [
+        ("reasoning", "hmm", None),
+        ("text", "Hi", None),
+        ("call", '{"a": 1}', "f"),
+    ]
