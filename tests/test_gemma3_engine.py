@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.layers.attention_backends import choose_backend
 from splitserve.engine.local_attention import LocalAttention
 from splitserve.engine.model_config import ModelConfig
 from tests.support.reference import assert_greedy_equal
@@ -111,6 +112,11 @@ def test_gemma3_attention_softcapping_is_refused() -> None:
              "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
              "attn_logit_softcapping": 50.0}
         )  # fmt: skip
+
+
+def test_auto_attention_takes_torch_for_sliding_windows_on_cuda() -> None:
+    assert choose_backend("auto", "cuda", True, sliding_window=True) == "torch"
+    assert choose_backend("auto", "cuda", True, sliding_window=False) == "triton"
 
 
 def test_the_triton_backend_refuses_a_sliding_window() -> None:

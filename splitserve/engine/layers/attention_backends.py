@@ -7,13 +7,17 @@ from __future__ import annotations
 from splitserve.engine.layers.attention import AttentionBackend, TorchAttention
 
 
-def choose_backend(name: str, device_type: str, triton_available: bool) -> str:
+def choose_backend(
+    name: str, device_type: str, triton_available: bool, sliding_window: bool = False
+) -> str:
     """The backend ``name`` stands for on a device: ``auto`` is the fastest correct one, the
     Triton kernels on CUDA where Triton is installed (7.6x the torch path on an H200 for
-    SmolLM2, issue 46), torch elsewhere (CPU, Ascend, CUDA without Triton)."""
+    SmolLM2, issue 46), torch elsewhere (CPU, Ascend, CUDA without Triton) and for models
+    with sliding-window layers (Gemma 3: the Triton kernels have no window yet)."""
     if name != "auto":
         return name
-    return "triton" if device_type == "cuda" and triton_available else "torch"
+    fast = device_type == "cuda" and triton_available and not sliding_window
+    return "triton" if fast else "torch"
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
