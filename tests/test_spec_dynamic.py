@@ -4,6 +4,7 @@ and acceptance estimates, and the speculator's use of them."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -20,7 +21,7 @@ CPU_MS = {1: 6.1, 2: 6.4, 3: 7.8, 4: 9.35, 5: 11.0, 6: 19.2, 7: 22.6, 8: 26.8, 9
 CURVE = StepCurve({rows: ms / 1000 for rows, ms in CPU_MS.items()})
 
 
-def _rows(batch: int) -> object:
+def _rows(batch: int) -> Callable[[int, int], float]:
     return lambda drafts, longest: CURVE.seconds(batch + drafts)
 
 

@@ -5,10 +5,11 @@ k) on the same prompts, in one run, written as JSON.
 Workloads (bench/spec_workloads.py): copy, grounded, free, mixed, random. For each workload
 and batch size every configuration runs ``--repeats`` times, the configurations in turn (a
 rotated order each round, so that a noisy machine slows them alike); the medians are
-reported, with each configuration's acceptance (accepted / verified drafts, and tokens per
-verify step) and verified drafts per step. Every configuration must give the plain greedy
-tokens (``outputs_equal``). Decode time runs from the step that gave every request its first
-token to the end.
+reported, per second of wall time and per second of the process's CPU time (on a machine
+shared with other work the steadier of the two), with each configuration's acceptance
+(accepted / verified drafts, and tokens per verify step) and verified drafts per step. Every
+configuration must give the plain greedy tokens (``outputs_equal``). Decode time runs from
+the step that gave every request its first token to the end.
 """
 
 from __future__ import annotations
@@ -50,9 +51,7 @@ def run_speculative(args: argparse.Namespace) -> int:
         f"k{k}": spec | {"num_speculative_tokens": k, "dynamic": False} for k in ks
     }
     configs["dynamic"] = spec | {"num_speculative_tokens": max(ks), "dynamic": True}
-    engines = {
-        name: LLM(**common, speculative_config=config) for name, config in configs.items()
-    }
+    engines = {name: LLM(**common, speculative_config=config) for name, config in configs.items()}
     result = header(vars(args) | {"model": model, "speculative_configs": configs})
     rows = []
     for workload in args.spec_workloads.split(","):
@@ -80,14 +79,16 @@ def _compare(
     row: dict[str, Any] = {"workload": name, "batch": len(batch_prompts)}
     for label in names:
         row[label] = _summary(runs[label])
-    plain = row["plain"]["tokens_per_s"]
     fixed = [n for n in names if n.startswith("k")]
-    best = max(fixed, key=lambda n: row[n]["tokens_per_s"])
-    for label in names:
-        row[label]["speedup"] = row[label]["tokens_per_s"] / plain
-    row["best_fixed"] = best
-    row["dynamic_over_best_fixed"] = row["dynamic"]["tokens_per_s"] / row[best]["tokens_per_s"]
-    row["dynamic_over_plain"] = row["dynamic"]["tokens_per_s"] / plain
+    for clock in ("tokens_per_s", "tokens_per_cpu_s"):
+        suffix = "" if clock == "tokens_per_s" else "_cpu"
+        plain = row["plain"][clock]
+        best = max(fixed, key=lambda n: row[n][clock])
+        for label in names:
+            row[label]["speedup" + suffix] = row[label][clock] / plain
+        row["best_fixed" + suffix] = best
+        row["dynamic_over_best_fixed" + suffix] = row["dynamic"][clock] / row[best][clock]
+        row["dynamic_over_plain" + suffix] = row["dynamic"][clock] / plain
     row["outputs_equal"] = all(outputs[n] == outputs["plain"] for n in names)
     return row
 
@@ -98,6 +99,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     accepted = sum(run["accepted"] for run in runs)
     return {
         "tokens_per_s": statistics.median(run["tokens"] / run["seconds"] for run in runs),
+        "tokens_per_cpu_s": statistics.median(run["tokens"] / run["cpu_seconds"] for run in runs),
         "decode_s": statistics.median(run["seconds"] for run in runs),
         "decode_tokens": runs[0]["tokens"],
         "tokens_per_s_all": [round(run["tokens"] / run["seconds"], 2) for run in runs],
@@ -116,7 +118,7 @@ def _decode(llm: LLM, batch_prompts: list[list[int]], params: SamplingParams) ->
     for request_id, prompt in zip(ids, batch_prompts):
         engine.add_request(request_id, prompt, params)
     counts: dict[str, int] = {}
-    first_at, seen, steps, done = 0.0, 0, 0, {}
+    first_at, first_cpu, seen, steps, done = 0.0, 0.0, 0, 0, {}
     before = _counters(llm)
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -126,11 +128,13 @@ def _decode(llm: LLM, batch_prompts: list[list[int]], params: SamplingParams) ->
         steps += bool(first_at)
         if not first_at and len(counts) == len(ids):
             first_at, seen, before = time.perf_counter(), sum(counts.values()), _counters(llm)
-    end = time.perf_counter()
+            first_cpu = time.process_time()
+    end, end_cpu = time.perf_counter(), time.process_time()
     after = _counters(llm)
     outputs = [done[i] for i in ids]
     run = {
         "seconds": end - first_at,
+        "cpu_seconds": end_cpu - first_cpu,
         "tokens": sum(len(o) for o in outputs) - seen,
         "steps": max(steps, 1),
         **{key: after[key] - before[key] for key in after},
@@ -153,9 +157,12 @@ def _counters(llm: LLM) -> dict[str, int]:
 def _line(row: dict[str, Any]) -> str:
     configs = [n for n in row if isinstance(row[n], dict)]
     parts = [f"{n} {row[n]['tokens_per_s']:.1f}" for n in configs]
+    dynamic = row["dynamic"]
     return (
         f"{row['workload']:>8} batch {row['batch']:>3}: {', '.join(parts)} tok/s; dynamic "
         f"x{row['dynamic_over_plain']:.2f} of plain, x{row['dynamic_over_best_fixed']:.2f} of "
-        f"{row['best_fixed']} (acceptance {row['dynamic']['acceptance']}, drafts/step "
-        f"{row['dynamic']['verified_drafts_per_step']:.2f}); equal {row['outputs_equal']}"
+        f"{row['best_fixed']}; CPU time x{row['dynamic_over_plain_cpu']:.2f} of plain, "
+        f"x{row['dynamic_over_best_fixed_cpu']:.2f} of {row['best_fixed_cpu']} (acceptance "
+        f"{dynamic['acceptance']}, drafts/step {dynamic['verified_drafts_per_step']:.2f}); "
+        f"equal {row['outputs_equal']}"
     )
