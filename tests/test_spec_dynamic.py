@@ -14,6 +14,7 @@ from splitserve.engine.spec import speculator as module
 from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.dynamic import Acceptance, StepCurve, plan_drafts
 from splitserve.engine.spec.ngram import NgramDrafter
+from splitserve.engine.warm_up import rows_to_time
 
 CPU_MS = {1: 6.1, 2: 6.4, 3: 7.8, 4: 9.35, 5: 11.0, 6: 19.2, 7: 22.6, 8: 26.8, 9: 30.8, 16: 30.1}
 """SmolLM2 decode steps on one thread of the 2-core VM by rows (ms): a step of 5 rows costs
@@ -131,3 +132,9 @@ def test_a_lookup_drafts_all_it_can_and_verifies_what_the_plan_keeps() -> None:
     spec.propose([quoting, free])
     assert free.draft_token_ids == []
     assert quoting.draft_token_ids == [8, 9, 10]  # rows 5 of the curve: three drafts
+
+
+def test_the_curve_is_timed_at_every_small_row_count_and_sparser_above() -> None:
+    assert rows_to_time(5) == [1, 2, 3, 4, 5]
+    assert rows_to_time(72)[22:] == [23, 24, 32, 40, 48, 56, 64, 72]
+    assert rows_to_time(2304)[-3:] == [204, 229, 256]  # MOST_TIMED_ROWS; then its slope

@@ -114,9 +114,15 @@ def _forward(
     greedy_tokens(logits)
 
 
+MOST_TIMED_ROWS = 256
+"""A step-time curve is timed up to this many rows (past it a step is compute-bound: the
+curve goes on along its last slope), so that a large max_num_seqs starts in seconds."""
+
+
 def rows_to_time(most_rows: int) -> list[int]:
     """Row counts a step-time curve is timed at: every count up to 24, then about eight a
-    doubling, and the most itself."""
+    doubling, and the most itself (at most MOST_TIMED_ROWS)."""
+    most_rows = min(most_rows, MOST_TIMED_ROWS)
     rows, step = list(range(1, min(most_rows, 24) + 1)), 8
     while rows[-1] + step < most_rows:
         rows.append(rows[-1] + step)
