@@ -66,12 +66,16 @@ def test_step_curve_interpolates_its_table_and_learns_from_real_steps() -> None:
     curve = StepCurve({1: 0.010, 5: 0.014, 9: 0.030})
     assert curve.seconds(3) == pytest.approx(0.012)
     assert curve.seconds(11) == pytest.approx(0.038)  # the last segment's slope
-    curve.record(5, 0.019)  # 5 ms slower: the offset takes 5%, the row count 20%
-    assert curve.offset == pytest.approx(0.00025)
-    assert curve.seconds(5) == pytest.approx(0.014 + 0.00025 + 0.001)
-    assert curve.seconds(1) == pytest.approx(0.010 + 0.00025)
+    curve.record(5, 0.019)  # 5 ms slower: the estimate takes 10%, a quarter of it shared
+    assert curve.offset == pytest.approx(0.000125)
+    assert curve.seconds(5) == pytest.approx(0.014 + 0.000125 + 0.0005)
+    assert curve.seconds(1) == pytest.approx(0.010 + 0.000125)
     curve.record(1, 1.0)  # a stalled step counts as one of twice the estimate
-    assert curve.correction[1] == pytest.approx(0.2 * (0.010 + 0.00025))
+    assert curve.correction[1] == pytest.approx(0.1 * (0.010 + 0.000125))
+    assert curve.correction[5] == pytest.approx(0.0005 * 0.98)  # fading while not renewed
+    estimate = curve.seconds(9)
+    curve.record(9, 0.020)  # faster: 40% of the error, and a quarter of that again shared
+    assert curve.seconds(9) == pytest.approx(estimate + 0.5 * (0.020 - estimate))
 
 
 def test_acceptance_drops_within_two_steps_when_a_request_stops_quoting() -> None:

@@ -22,8 +22,15 @@ ACCEPTANCE_GRID = (0.02, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.97, 0.995)
 FORGET = 0.1
 """Each step the posterior moves this much of the way back to the prior: a request can change
 behaviour at any step (quoted text, then free text)."""
-CURVE_OFFSET_RATE = 0.05
-CURVE_ROW_RATE = 0.2
+CURVE_RATE_DOWN = 0.4
+CURVE_RATE_UP = 0.1
+"""How far a row count's estimate moves toward a step that ran faster or slower than it: other
+work on the machine only slows steps, so the estimate follows the faster ones more."""
+CURVE_OFFSET_SHARE = 0.25
+"""The part of that move that every row count takes (the offset)."""
+CURVE_FORGET = 0.02
+"""Each step, every row count's own correction moves this much back toward zero: a count that
+steps stalled by other work priced out of use comes back to the table and is tried again."""
 
 
 class Acceptance:
@@ -64,8 +71,9 @@ class StepCurve:
     """Seconds of a step by its number of rows: a table measured on the device (interpolated
     between its points, extended along its last slope), plus what real steps taught it: an
     offset shared by every row count (host work the table does not time, a busier machine)
-    and a correction per row count seen. An error is clipped to the estimate's size, so that
-    one step stalled by something else does not price a row count out of use."""
+    and a correction per row count seen, which fades unless steps of that count renew it. An
+    error is clipped to the estimate's size, and slower steps move the estimate less than
+    faster ones, so that steps stalled by other work do not price a row count out of use."""
 
     def __init__(self, measured: dict[int, float]) -> None:
         if not measured:
@@ -81,8 +89,11 @@ class StepCurve:
     def record(self, rows: int, seconds: float) -> None:
         estimate = self.seconds(rows)
         error = min(max(seconds - estimate, -0.5 * estimate), estimate)
-        self.offset += CURVE_OFFSET_RATE * error
-        self.correction[rows] = self.correction.get(rows, 0.0) + CURVE_ROW_RATE * error
+        rate = CURVE_RATE_DOWN if error < 0 else CURVE_RATE_UP
+        self.offset += CURVE_OFFSET_SHARE * rate * error
+        own = self.correction.get(rows, 0.0) + rate * error
+        self.correction = {r: c * (1 - CURVE_FORGET) for r, c in self.correction.items()}
+        self.correction[rows] = own
 
     def _table(self, rows: int) -> float:
         i = bisect.bisect_left(self.rows, rows)
