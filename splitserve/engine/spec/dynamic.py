@@ -17,11 +17,16 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
+import numpy as np
+
 ACCEPTANCE_GRID = (0.02, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.97, 0.995)
 """The per-token acceptance rates a request's posterior is kept over (uniform prior)."""
 FORGET = 0.1
 """Each step the posterior moves this much of the way back to the prior: a request can change
 behaviour at any step (quoted text, then free text)."""
+_GRID = np.array(ACCEPTANCE_GRID)
+_POWERS = _GRID[None, :] ** np.arange(1, 17)[:, None]
+"""a**j for j = 1..16 (rows) and every a of the grid (columns)."""
 CURVE_RATE_DOWN = 0.4
 CURVE_RATE_UP = 0.1
 """How far a row count's estimate moves toward a step that ran faster or slower than it: other
@@ -38,7 +43,7 @@ class Acceptance:
     that verified d drafts and accepted m of them has likelihood a**m * (1 - a if m < d)."""
 
     def __init__(self) -> None:
-        self.weights = [1.0 / len(ACCEPTANCE_GRID)] * len(ACCEPTANCE_GRID)
+        self.weights = np.full(len(ACCEPTANCE_GRID), 1.0 / len(ACCEPTANCE_GRID))
 
     @property
     def rate(self) -> float:
@@ -46,25 +51,23 @@ class Acceptance:
 
     def value(self, j: int) -> float:
         """Expected acceptance of the j-th draft (1-based): E[a**j]."""
-        return sum(w * a**j for w, a in zip(self.weights, ACCEPTANCE_GRID))
+        return float(_POWERS[j - 1] @ self.weights)
 
     def values(self, k: int) -> list[float]:
-        return [self.value(j) for j in range(1, k + 1)]
+        """E[a**j] for j = 1..k (k <= 16, the most drafts a config allows)."""
+        values: list[float] = (_POWERS[:k] @ self.weights).tolist()
+        return values
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        rejected = num_accepted < num_drafts
-        posterior = [
-            w * a**num_accepted * ((1 - a) if rejected else 1.0)
-            for w, a in zip(self.weights, ACCEPTANCE_GRID)
-        ]
-        total = sum(posterior)
-        self.weights = [p / total for p in posterior]
+        posterior = self.weights * _GRID**num_accepted
+        if num_accepted < num_drafts:
+            posterior *= 1 - _GRID
+        self.weights = posterior / posterior.sum()
         self.idle()
 
     def idle(self) -> None:
         """A step passed: forget a little, toward the prior."""
-        prior = FORGET / len(ACCEPTANCE_GRID)
-        self.weights = [(1 - FORGET) * w + prior for w in self.weights]
+        self.weights = (1 - FORGET) * self.weights + FORGET / len(ACCEPTANCE_GRID)
 
 
 class StepCurve:

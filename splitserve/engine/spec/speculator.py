@@ -141,16 +141,20 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for the running requests that decode next; starts the step's clock.
         A drafter whose passes do not depend on the count (a lookup) is asked for every
-        draft it may make; once the drafts are known, the plan is made again over what they
-        are (a request with fewer leaves rows to the others)."""
+        draft it may make (by every request, unless asking would cost an overlapped step);
+        once the drafts are known, the plan is made over what they are (a request with fewer
+        leaves rows to the others)."""
         self._started = time.perf_counter()
         for req in running:  # drafts of a request the last step had no budget for
             req.draft_token_ids = []
         reqs = [r for r in running if _decoding(r)]
-        limits = self.limits(reqs)
-        if self.drafter.passes([1]) == self.drafter.passes([16]):
-            k = self.config.num_speculative_tokens
-            limits = [min(k, self._room(r)) if n else 0 for r, n in zip(reqs, limits)]
+        k = self.config.num_speculative_tokens
+        if self.drafter.passes([1]) != self.drafter.passes([16]):
+            limits = self.limits(reqs)
+        elif self.overlapped_curve is None:  # a lookup, no overlap to lose: everyone asked
+            limits = [min(k, self._room(r)) for r in reqs]
+        else:
+            limits = [min(k, self._room(r)) if n else 0 for r, n in zip(reqs, self.limits(reqs))]
         asked = [i for i, n in enumerate(limits) if n > 0]
         drafted = time.perf_counter()
         drafts = self.drafter.propose([reqs[i] for i in asked], [limits[i] for i in asked])
