@@ -71,18 +71,21 @@ class Acceptance:
 
 
 class StepCurve:
-    """Seconds of a step by its number of rows: a table measured on the device (interpolated
-    between its points, extended along its last slope), plus what real steps taught it: an
-    offset shared by every row count (host work the table does not time, a busier machine)
-    and a correction per row count seen, which fades unless steps of that count renew it. An
-    error is clipped to the estimate's size, and slower steps move the estimate less than
-    faster ones, so that steps stalled by other work do not price a row count out of use."""
+    """Seconds of a step by its number of rows: a table measured on the device (made
+    non-decreasing in rows, interpolated between its points, extended along its last slope),
+    plus what real steps taught it: an offset shared by every row count (host work the table
+    does not time, a busier machine) and a correction per row count seen, which fades unless
+    steps of that count renew it. An error is clipped to the estimate's size, and slower
+    steps move the estimate less than faster ones, so that steps stalled by other work do not
+    price a row count out of use."""
 
     def __init__(self, measured: dict[int, float]) -> None:
         if not measured:
             raise ValueError("a step curve needs at least one measured row count")
         self.rows = sorted(measured)
         self.table = [measured[r] for r in self.rows]
+        for i in range(len(self.table) - 2, -1, -1):  # fewer rows never cost more: a point
+            self.table[i] = min(self.table[i], self.table[i + 1])  # stalled while timed
         self.offset = 0.0
         self.correction: dict[int, float] = {}
 
