@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Speculative decoding on one GPU (H200), beside plain decode in the same run (random weights
 # of the Llama-3-8B shape, bf16, batch 1 and 16, greedy, 256-token prompts, 128 output tokens):
+# plain decoding, fixed k = 2, 4, 8 and dynamic verification (at most 8) in one run each:
 # - a draft model equal to the target (the same shape and seed: every draft is accepted, the
-#   upper bound of the verification machinery), k = 2, 4, 8, dynamic off;
-# - a draft of another seed (almost nothing accepted), k = 4: dynamic off (every step pays a
-#   k-token verify: the overhead) and dynamic on (the planner must stop drafting);
-# - n-gram drafts on random prompts with dynamic verification on.
+#   upper bound of the verification machinery);
+# - a draft of another seed (almost nothing accepted: dynamic must stop drafting);
+# - n-gram drafts on random prompts.
 # Verify steps run as decode rows in CUDA graphs (engine/cuda_graphs.py). Results go to $OUT
 # (default benchmarks/results). PARTS (default "equal rejected ngram") picks the groups.
 source "$(dirname "$0")/../gpu_env.sh"
@@ -15,19 +15,14 @@ bench() { step "$PY" -m splitserve.cli bench offline --device cuda --no-baseline
 
 PARTS=${PARTS:-equal rejected ngram}
 if [[ " $PARTS " == *" equal "* ]]; then
-    for k in 2 4 8; do
-        bench --speculative draft_model --draft-model shape:llama3-8b --no-dynamic \
-            --num-speculative-tokens "$k" --result-file "$OUT/h200-spec-draft-equal-k$k.json"
-    done
+    bench --speculative draft_model --draft-model shape:llama3-8b \
+        --result-file "$OUT/h200-spec-draft-equal.json"
 fi
 if [[ " $PARTS " == *" rejected "* ]]; then
-    bench --speculative draft_model --draft-model shape:llama3-8b --draft-seed 1 --no-dynamic \
-        --num-speculative-tokens 4 --result-file "$OUT/h200-spec-draft-rejected-k4.json"
     bench --speculative draft_model --draft-model shape:llama3-8b --draft-seed 1 \
-        --num-speculative-tokens 4 --result-file "$OUT/h200-spec-draft-rejected-k4-dynamic.json"
+        --result-file "$OUT/h200-spec-draft-rejected.json"
 fi
 if [[ " $PARTS " == *" ngram "* ]]; then
-    bench --speculative ngram --num-speculative-tokens 4 \
-        --result-file "$OUT/h200-spec-ngram-dynamic.json"
+    bench --speculative ngram --result-file "$OUT/h200-spec-ngram.json"
 fi
 exit $status

@@ -73,14 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     spec = parser.add_argument_group("speculative decoding (bench/speculative.py)")
     spec.add_argument("--speculative", choices=["ngram", "draft_model"], default=None)
-    spec.add_argument("--num-speculative-tokens", type=int, default=4)
+    spec.add_argument("--spec-ks", default="2,4,8", help="fixed k runs; dynamic: the largest")
     spec.add_argument("--draft-model", default=None, help="the draft_model method's draft")
-    spec.add_argument("--no-dynamic", action="store_true", help="always draft the most tokens")
     spec.add_argument(
         "--draft-seed", type=int, default=None, help="seed of a shape: draft (another: rejected)"
     )
-    spec.add_argument("--spec-workloads", default="grounded,free", help="grounded,free,random")
-    spec.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    spec.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
+    spec.add_argument(
+        "--spec-workloads", default="copy,grounded,free,mixed", help="and random (shapes)"
+    )
+    spec.add_argument("--repeats", type=int, default=3, help="median of this many runs")
     spec.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--result-dir", default="benchmarks/results")
     parser.add_argument("--result-file", default=None)

@@ -1,64 +1,42 @@
-"""`splitserve bench offline --speculative METHOD`: decode with and without speculative
-decoding on the same prompts, in one run, written as JSON.
+"""`splitserve bench offline --speculative METHOD`: plain decoding, fixed-k verification for
+each k of ``--spec-ks`` and dynamic verification (engine/spec/dynamic.py, at most the largest
+k) on the same prompts, in one run, written as JSON.
 
-Workloads: ``grounded`` (chat requests that repeat, copy or rewrite a given passage, where
-n-grams of the answer occur in the prompt), ``free`` (open-ended chat requests, little to copy)
-and ``random`` (random token prompts, for random-weight shapes). For each workload and batch
-size both engines generate the same greedy tokens (checked: ``outputs_equal``); decode time
-runs from the step that gave every request its first token to the end, best of ``--repeats``.
+Workloads (bench/spec_workloads.py): copy, grounded, free, mixed, random. For each workload
+and batch size every configuration runs ``--repeats`` times, the configurations in turn (a
+rotated order each round, so that a noisy machine slows them alike); the medians are
+reported, per second of wall time and per second of the process's CPU time (on a machine
+shared with other work the steadier of the two), with each configuration's acceptance
+(accepted / verified drafts, and tokens per verify step) and verified drafts per step. Every
+configuration must give the plain greedy tokens (``outputs_equal``). Decode time runs from
+the step that gave every request its first token to the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from splitserve.bench.report import emit, header
+from splitserve.bench.spec_workloads import prompts
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
-
-PASSAGES = [
-    "The Amazon rainforest covers much of the Amazon basin of South America. This basin "
-    "encompasses seven million square kilometres, of which five and a half million square "
-    "kilometres are covered by the rainforest. The region includes territory belonging to "
-    "nine nations and 3,344 formally acknowledged indigenous territories.",
-    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
-    "individual reefs and 900 islands stretching for over 2,300 kilometres over an area of "
-    "approximately 344,400 square kilometres. The reef is located in the Coral Sea, off the "
-    "coast of Queensland, Australia.",
-    "Photosynthesis is a process used by plants and other organisms to convert light energy "
-    "into chemical energy that, through cellular respiration, can later be released to fuel "
-    "the organism's activities. Some of this chemical energy is stored in carbohydrate "
-    "molecules, such as sugars and starches, which are synthesized from carbon dioxide and water.",
-]
-GROUNDED = [
-    "Repeat the following passage exactly:\n\n{}",
-    "Rewrite the following passage as a bulleted list, keeping its words:\n\n{}",
-    "Copy every sentence of this passage that contains a number:\n\n{}",
-]
-FREE = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain why the sky is blue to a child.",
-    "Give me ten ideas for a birthday party.",
-    "Describe your ideal weekend in detail.",
-]
 
 
 def run_speculative(args: argparse.Namespace) -> int:
     model = f"shape:{args.shape}" if args.shape else args.model
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    spec: dict[str, Any] = {
-        "method": args.speculative,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "dynamic": not args.no_dynamic,
-    }
+    ks = [int(k) for k in args.spec_ks.split(",")]
+    spec: dict[str, Any] = {"method": args.speculative}
     if args.speculative == "draft_model":
         spec["model"] = args.draft_model
         if args.draft_seed is not None:
             spec["draft_seed"] = args.draft_seed
+    if args.prompt_lookup_max is not None:
+        spec["prompt_lookup_max"] = args.prompt_lookup_max
     common = dict(
         model=model,
         device=args.device,
@@ -66,16 +44,20 @@ def run_speculative(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         max_model_len=2048,
         max_num_seqs=max(batch_sizes),
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization / (len(ks) + 2),
         overlap_scheduling=False if args.no_overlap else None,
     )
-    plain, speculative = LLM(**common), LLM(**common, speculative_config=spec)
-    result = header(vars(args) | {"model": model, "speculative_config": spec})
+    configs = {"plain": None} | {
+        f"k{k}": spec | {"num_speculative_tokens": k, "dynamic": False} for k in ks
+    }
+    configs["dynamic"] = spec | {"num_speculative_tokens": max(ks), "dynamic": True}
+    engines = {name: LLM(**common, speculative_config=config) for name, config in configs.items()}
+    result = header(vars(args) | {"model": model, "speculative_configs": configs})
     rows = []
     for workload in args.spec_workloads.split(","):
         for batch in batch_sizes:
-            prompts = _prompts(plain, workload, batch, args.input_len)
-            rows.append(_compare(plain, speculative, prompts, args, workload))
+            batch_prompts = prompts(engines["plain"], workload, batch, args.input_len)
+            rows.append(_compare(engines, batch_prompts, args, workload))
             print(_line(rows[-1]), flush=True)
     result["speculative"] = rows
     out = Path(args.result_file or Path(args.result_dir) / f"cpu-spec-{args.speculative}.json")
@@ -83,75 +65,104 @@ def run_speculative(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompts(llm: LLM, workload: str, batch: int, input_len: int) -> list[list[int]]:
-    if workload == "random":
-        import torch
-
-        vocab = llm.engine.model_config.vocab_size
-        generator = torch.Generator().manual_seed(batch)
-        return torch.randint(100, vocab, (batch, input_len), generator=generator).tolist()
-    if workload == "grounded":
-        asks = [a.format(p) for a, p in itertools.product(GROUNDED, PASSAGES)]
-    else:
-        asks = FREE
-    chats = itertools.islice(itertools.cycle(asks), batch)
-    return [llm.apply_chat_template([{"role": "user", "content": ask}]) for ask in chats]
-
-
 def _compare(
-    plain: LLM, speculative: LLM, prompts: list[list[int]], args: argparse.Namespace, name: str
+    engines: dict[str, LLM], batch_prompts: list[list[int]], args: argparse.Namespace, name: str
 ) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=args.ignore_eos)
-    counters = speculative.engine.spec.counters if speculative.engine.spec else None
-    best: dict[str, tuple[float, int, list[list[int]]]] = {}
-    before = (counters.num_drafts, counters.num_accepted_tokens) if counters else (0, 0)
-    for _ in range(args.repeats):
-        for label, llm in (("plain", plain), ("speculative", speculative)):
-            seconds, tokens, outputs = _decode(llm, prompts, params)
-            if label not in best or seconds < best[label][0]:
-                best[label] = (seconds, tokens, outputs)
-    row: dict[str, Any] = {"workload": name, "batch": len(prompts)}
-    for label, (seconds, tokens, _) in best.items():
-        row[label] = {
-            "decode_s": seconds,
-            "decode_tokens": tokens,
-            "tokens_per_s": tokens / seconds,
-        }
-    row["speedup_decode"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
-    row["outputs_equal"] = best["plain"][2] == best["speculative"][2]
-    if counters is not None:
-        drafts = counters.num_drafts - before[0]
-        accepted = counters.num_accepted_tokens - before[1]
-        row["verify_steps_per_request"] = drafts
-        row["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+    names = list(engines)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    outputs: dict[str, Any] = {}
+    for repeat in range(args.repeats):
+        for label in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            run, outputs[label] = _decode(engines[label], batch_prompts, params)
+            runs[label].append(run)
+    row: dict[str, Any] = {"workload": name, "batch": len(batch_prompts)}
+    for label in names:
+        row[label] = _summary(runs[label])
+    fixed = [n for n in names if n.startswith("k")]
+    for clock in ("tokens_per_s", "tokens_per_cpu_s"):
+        suffix = "" if clock == "tokens_per_s" else "_cpu"
+        plain = row["plain"][clock]
+        best = max(fixed, key=lambda n: row[n][clock])
+        for label in names:
+            row[label]["speedup" + suffix] = row[label][clock] / plain
+        row["best_fixed" + suffix] = best
+        row["dynamic_over_best_fixed" + suffix] = row["dynamic"][clock] / row[best][clock]
+        row["dynamic_over_plain" + suffix] = row["dynamic"][clock] / plain
+    row["outputs_equal"] = all(outputs[n] == outputs["plain"] for n in names)
     return row
 
 
-def _decode(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, Any]:
-    """(seconds from every request's first token to the last token, tokens in that time,
-    the outputs' token ids)."""
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the repeats; the counters over all of them."""
+    total = {key: sum(run[key] for run in runs) for key in ("steps", "drafts", "verified")}
+    accepted = sum(run["accepted"] for run in runs)
+    return {
+        "tokens_per_s": statistics.median(run["tokens"] / run["seconds"] for run in runs),
+        "tokens_per_cpu_s": statistics.median(run["tokens"] / run["cpu_seconds"] for run in runs),
+        "decode_s": statistics.median(run["seconds"] for run in runs),
+        "decode_tokens": runs[0]["tokens"],
+        "tokens_per_s_all": [round(run["tokens"] / run["seconds"], 2) for run in runs],
+        "acceptance": accepted / total["verified"] if total["verified"] else None,
+        "acceptance_length": 1 + accepted / total["drafts"] if total["drafts"] else None,
+        "verified_drafts_per_step": total["verified"] / total["steps"],
+        "verify_steps_per_request": total["drafts"] / len(runs),
+    }
+
+
+def _decode(llm: LLM, batch_prompts: list[list[int]], params: SamplingParams) -> tuple[Any, Any]:
+    """The decode window's seconds, tokens, steps and speculation counters, and the outputs'
+    token ids."""
     engine = llm.engine
-    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
+    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(batch_prompts))]
+    for request_id, prompt in zip(ids, batch_prompts):
         engine.add_request(request_id, prompt, params)
     counts: dict[str, int] = {}
-    first_at, seen, done = 0.0, 0, {}
+    first_at, first_cpu, seen, steps, done = 0.0, 0.0, 0, 0, {}
+    before = _counters(llm)
     while engine.has_unfinished_requests():
         for out in engine.step():
             counts[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+        steps += bool(first_at)
         if not first_at and len(counts) == len(ids):
-            first_at, seen = time.perf_counter(), sum(counts.values())
-    end = time.perf_counter()
+            first_at, seen, before = time.perf_counter(), sum(counts.values()), _counters(llm)
+            first_cpu = time.process_time()
+    end, end_cpu = time.perf_counter(), time.process_time()
+    after = _counters(llm)
     outputs = [done[i] for i in ids]
-    return end - first_at, sum(len(o) for o in outputs) - seen, outputs
+    run = {
+        "seconds": end - first_at,
+        "cpu_seconds": end_cpu - first_cpu,
+        "tokens": sum(len(o) for o in outputs) - seen,
+        "steps": max(steps, 1),
+        **{key: after[key] - before[key] for key in after},
+    }
+    return run, outputs
+
+
+def _counters(llm: LLM) -> dict[str, int]:
+    spec = llm.engine.spec
+    if spec is None:
+        return {"drafts": 0, "verified": 0, "accepted": 0}
+    counters = spec.counters
+    return {
+        "drafts": counters.num_drafts,
+        "verified": counters.num_draft_tokens,
+        "accepted": counters.num_accepted_tokens,
+    }
 
 
 def _line(row: dict[str, Any]) -> str:
+    configs = [n for n in row if isinstance(row[n], dict)]
+    parts = [f"{n} {row[n]['tokens_per_s']:.1f}" for n in configs]
+    dynamic = row["dynamic"]
     return (
-        f"{row['workload']:>9} batch {row['batch']:>3}: plain "
-        f"{row['plain']['tokens_per_s']:.1f} tok/s, speculative "
-        f"{row['speculative']['tokens_per_s']:.1f} tok/s, x{row['speedup_decode']:.2f}, "
-        f"acceptance length {row.get('mean_acceptance_length')}, equal {row['outputs_equal']}"
+        f"{row['workload']:>8} batch {row['batch']:>3}: {', '.join(parts)} tok/s; dynamic "
+        f"x{row['dynamic_over_plain']:.2f} of plain, x{row['dynamic_over_best_fixed']:.2f} of "
+        f"{row['best_fixed']}; CPU time x{row['dynamic_over_plain_cpu']:.2f} of plain, "
+        f"x{row['dynamic_over_best_fixed_cpu']:.2f} of {row['best_fixed_cpu']} (acceptance "
+        f"{dynamic['acceptance']}, drafts/step {dynamic['verified_drafts_per_step']:.2f}); "
+        f"equal {row['outputs_equal']}"
     )

@@ -31,11 +31,12 @@ from splitserve.engine.resume import resume
 from splitserve.engine.sampler import Sampler, SampleResult
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
-from splitserve.engine.spec.speculator import build_speculator
+from splitserve.engine.spec.speculator import Speculator, build_speculator
 from splitserve.engine.stats import EngineStats, engine_stats
 from splitserve.engine.structured.constraints import Constraints
 from splitserve.engine.vision.config import load_vision_config
 from splitserve.engine.vision.multimodal import ImageInput, check_images
+from splitserve.engine.warm_up import time_decode_rows
 from splitserve.kvstore.hashing import hash_root
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class LLMEngine:
         native = getattr(self.runner.model, "native_decode", None)
         if self.spec is not None and native is not None:
             self.spec.max_rows = native.max_rows - 1
+        if self.spec is not None and self.spec.config.dynamic:
+            self._measure_steps(self.spec)
         self.expert_load = ExpertLoadRecorder(self.runner.model, config.record_expert_load)
         self.eplb = live_rebalancer(self.runner.model, config.eplb)
         self.handoff = KVHandoff(self.block_manager, self.runner)
@@ -108,6 +111,14 @@ class LLMEngine:
         outputs (append, detokenize, stop checks)."""
         overlapped = self.runner.overlapped
         self._overlap_batch = overlapped.max_batch if overlapped is not None else 0
+
+    def _measure_steps(self, spec: Speculator) -> None:
+        """Time the device's decode step by rows, up to the most a verify step may have: the
+        curve dynamic speculation plans with (engine/spec/dynamic.py)."""
+        config = self.config
+        rows = config.max_num_seqs * (1 + spec.config.num_speculative_tokens)
+        rows = min(rows, config.max_num_batched_tokens, spec.max_rows or rows)
+        spec.measure(time_decode_rows(self.runner, rows), self.runner.overlapped is not None)
 
     def add_request(
         self,

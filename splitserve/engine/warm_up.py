@@ -112,3 +112,39 @@ def _forward(
     rows = list(range(decode_rows)) + [p.start + p.length - 1 for p in prefills]
     logits = runner.model.compute_logits(hidden[torch.tensor(rows, device=device)])
     greedy_tokens(logits)
+
+
+MOST_TIMED_ROWS = 256
+"""A step-time curve is timed up to this many rows (past it a step is compute-bound: the
+curve goes on along its last slope), so that a large max_num_seqs starts in seconds."""
+
+
+def rows_to_time(most_rows: int) -> list[int]:
+    """Row counts a step-time curve is timed at: every count up to 24, then about eight a
+    doubling, and the most itself (at most MOST_TIMED_ROWS)."""
+    most_rows = min(most_rows, MOST_TIMED_ROWS)
+    rows, step = list(range(1, min(most_rows, 24) + 1)), 8
+    while rows[-1] + step < most_rows:
+        rows.append(rows[-1] + step)
+        step = max(8, rows[-1] // 8)
+    return sorted({*rows, most_rows})
+
+
+@torch.inference_mode()
+def time_decode_rows(runner: PagedModel, most_rows: int, repeats: int = 2) -> dict[int, float]:
+    """Seconds of a decode step of each of ``rows_to_time(most_rows)`` rows (the fastest of
+    ``repeats`` after one untimed run), on scratch-block inputs as ``warm_up`` runs them: the
+    step-time curve that dynamic speculation plans with (engine/spec/dynamic.py)."""
+    width = decode_width(MIN_EAGER_WIDTH, runner.max_blocks_per_seq)
+    seconds = {}
+    for rows in rows_to_time(most_rows):
+        _forward(runner, rows, width, [])
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _forward(runner, rows, width, [])
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            times.append(time.perf_counter() - start)
+        seconds[rows] = min(times)
+    return seconds

@@ -1,125 +1,145 @@
-"""Dynamic verification: how many draft tokens each request verifies in a step.
+"""Dynamic verification: how many drafted tokens each request verifies in a step.
 
-Two things are measured as the engine runs: each request's acceptance rate (the chance that
-its next draft token is accepted, given the one before was; counts that decay, so that a
-request whose drafts stopped being accepted is retried later) and the step time as a linear
-function of the step's tokens (``StepCost``). With per-token acceptance a, the j-th draft of a
-request is worth a**j expected tokens; drafts are added best first while the step's expected
-tokens per second rise. A batch whose step time grows with every token (compute-bound, large
-batches) stops paying for drafts and verifies none: it then runs exactly as without
-speculation.
+Two things are measured as the engine runs. Each request's acceptance (``Acceptance``): a
+posterior over its per-token acceptance rate a that forgets a little every step, so that a
+request that stops quoting its prompt (a rejection at the first draft, where a was near 1)
+drops within a step or two, and one that starts again is retried. And the step time per
+number of rows a step runs (``StepCurve``): a table timed at start-up on the device itself
+(engine/warm_up.py), corrected online from every real step. The j-th draft of a request is
+worth E[a**j] expected tokens; ``plan_drafts`` adds drafts best first and keeps the count
+that maximizes expected tokens per second of the step, plain decoding (no drafts) included.
+On a curve that is flat at small row counts (memory-bound) that is the best fixed k or more;
+where every row costs (compute-bound, or acceptance near zero) it is no drafts at all.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import numpy as np
 
-PRIOR_ACCEPTANCE = 0.6
-PRIOR_WEIGHT = 2.0
-DECAY = 0.9
-MISS_WEIGHT = 4.0
+ACCEPTANCE_GRID = (0.02, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.97, 0.995)
+"""The per-token acceptance rates a request's posterior is kept over (uniform prior)."""
+FORGET = 0.1
+"""Each step the posterior moves this much of the way back to the prior: a request can change
+behaviour at any step (quoted text, then free text)."""
+_GRID = np.array(ACCEPTANCE_GRID)
+_POWERS = _GRID[None, :] ** np.arange(1, 17)[:, None]
+"""a**j for j = 1..16 (rows) and every a of the grid (columns)."""
+CURVE_RATE_DOWN = 0.4
+CURVE_RATE_UP = 0.1
+"""How far a row count's estimate moves toward a step that ran faster or slower than it: other
+work on the machine only slows steps, so the estimate follows the faster ones more."""
+CURVE_OFFSET_SHARE = 0.25
+"""The part of that move that every row count takes (the offset)."""
+CURVE_FORGET = 0.02
+"""Each step, every row count's own correction moves this much back toward zero: a count that
+steps stalled by other work priced out of use comes back to the table and is tried again."""
 
 
 class Acceptance:
-    """One request's per-token acceptance rate from decayed counts of accepted and rejected
-    drafts, started at a prior that it returns to while the request does not speculate."""
+    """One request's per-token acceptance rate as a posterior over ``ACCEPTANCE_GRID``. A step
+    that verified d drafts and accepted m of them has likelihood a**m * (1 - a if m < d)."""
 
     def __init__(self) -> None:
-        self.accepted = 0.0
-        self.rejected = 0.0
+        self.weights = np.full(len(ACCEPTANCE_GRID), 1.0 / len(ACCEPTANCE_GRID))
 
     @property
     def rate(self) -> float:
-        total = self.accepted + self.rejected + PRIOR_WEIGHT
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / total
+        return self.value(1)
+
+    def value(self, j: int) -> float:
+        """Expected acceptance of the j-th draft (1-based): E[a**j]."""
+        return float(_POWERS[j - 1] @ self.weights)
+
+    def values(self, k: int) -> list[float]:
+        """E[a**j] for j = 1..k (k <= 16, the most drafts a config allows)."""
+        values: list[float] = (_POWERS[:k] @ self.weights).tolist()
+        return values
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.rejected = self.rejected * DECAY + (num_accepted < num_drafts)
-
-    def missed(self) -> None:
-        """Drafts were asked for and the drafter had none (no n-gram match): the step gave up
-        its overlap for nothing. It counts as MISS_WEIGHT rejected drafts, so that a request
-        whose lookups keep failing is asked again only after ``idle`` has decayed that (about
-        a dozen steps later), not every few steps."""
-        self.accepted *= DECAY
-        self.rejected = self.rejected * DECAY + MISS_WEIGHT
+        posterior = self.weights * _GRID**num_accepted
+        if num_accepted < num_drafts:
+            posterior *= 1 - _GRID
+        self.weights = posterior / posterior.sum()
+        self.idle()
 
     def idle(self) -> None:
-        self.accepted *= DECAY
-        self.rejected *= DECAY
+        """A step passed: forget a little, toward the prior."""
+        self.weights = (1 - FORGET) * self.weights + FORGET / len(ACCEPTANCE_GRID)
 
 
-class StepCost:
-    """seconds ~ base + per_token * tokens + per_pass * draft passes, fitted by exponentially
-    weighted least squares. A draft pass is one drafting round of the drafter (a draft model's
-    forward pass; for the n-gram lookup, the extra work of a step that verifies anything).
-    A few prior points (tokens costing 1/64 of a step's fixed part, a pass 5% of it) keep the
-    fit defined before the data vary; they are scaled to the measured steps' mean time.
-    ``explore`` asks for a step without drafts when the fit has seen too few of them: all
-    speculative steps alone cannot tell the fixed part from the passes."""
+class StepCurve:
+    """Seconds of a step by its number of rows: a table measured on the device (made
+    non-decreasing in rows, interpolated between its points, extended along its last slope),
+    plus what real steps taught it: an offset shared by every row count (host work the table
+    does not time, a busier machine) and a correction per row count seen, which fades unless
+    steps of that count renew it. An error is clipped to the estimate's size, and slower
+    steps move the estimate less than faster ones, so that steps stalled by other work do not
+    price a row count out of use."""
 
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
-        self.gram = np.zeros((3, 3))
-        self.moments = np.zeros(3)
-        self.plain_weight = 0.0
+    def __init__(self, measured: dict[int, float]) -> None:
+        if not measured:
+            raise ValueError("a step curve needs at least one measured row count")
+        self.rows = sorted(measured)
+        self.table = [measured[r] for r in self.rows]
+        for i in range(len(self.table) - 2, -1, -1):  # fewer rows never cost more: a point
+            self.table[i] = min(self.table[i], self.table[i + 1])  # stalled while timed
+        self.offset = 0.0
+        self.correction: dict[int, float] = {}
 
-    def record(self, tokens: int, passes: int, seconds: float) -> None:
-        x = np.array([1.0, tokens, passes])
-        self.gram = self.gram * self.decay + np.outer(x, x)
-        self.moments = self.moments * self.decay + x * seconds
-        self.plain_weight = self.plain_weight * self.decay + (passes == 0)
+    def seconds(self, rows: int) -> float:
+        return max(self._table(rows) + self.offset + self.correction.get(rows, 0.0), 1e-9)
 
-    @property
-    def explore(self) -> bool:
-        total = self.gram[0, 0]
-        return total > 4 and self.plain_weight < 0.05 * total
+    def record(self, rows: int, seconds: float) -> None:
+        estimate = self.seconds(rows)
+        error = min(max(seconds - estimate, -0.5 * estimate), estimate)
+        rate = CURVE_RATE_DOWN if error < 0 else CURVE_RATE_UP
+        self.offset += CURVE_OFFSET_SHARE * rate * error
+        own = self.correction.get(rows, 0.0) + rate * error
+        self.correction = {r: c * (1 - CURVE_FORGET) for r, c in self.correction.items()}
+        self.correction[rows] = own
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(base, per_token, per_pass) seconds."""
-        scale = self.moments[0] / self.gram[0, 0] if self.gram[0, 0] else 1e-3
-        gram, moments = self.gram.copy(), self.moments.copy()
-        for tokens, passes, ratio in ((1, 0, 1.0), (64, 0, 2.0), (1, 1, 1.05)):
-            x = np.array([1.0, tokens, passes])
-            gram += 0.1 * np.outer(x, x)
-            moments += 0.1 * x * ratio * scale
-        base, per_token, per_pass = np.linalg.solve(gram, moments)
-        return max(base, 1e-9), max(per_token, 0.0), max(per_pass, 0.0)
+    def _table(self, rows: int) -> float:
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.table[i]
+        if len(self.rows) == 1 or i == 0:
+            return self.table[0]
+        i = min(i, len(self.rows) - 1)  # past the last point: the last segment's slope
+        r0, r1, t0, t1 = self.rows[i - 1], self.rows[i], self.table[i - 1], self.table[i]
+        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
 
 def plan_drafts(
-    rates: list[float],
-    max_k: int,
-    cost: StepCost,
-    passes: Callable[[list[int]], int],
+    values: list[list[float]],
+    step_seconds: Callable[[int, int], float],
     max_rows: int | None = None,
 ) -> list[int]:
-    """Draft tokens per request: the count of best drafts (worth rate**j) that maximizes
-    expected tokens per second of the step, shared out to the requests they belong to.
-    passes: the drafter's passes for a list of draft counts. max_rows: the most rows a step
-    keeps on the path the fit has measured (the CPU's native decode path; None: no bound),
-    where the cost is not linear past it."""
-    if cost.explore:
-        return [0] * len(rates)
-    base, per_token, per_pass = cost.coefficients()
+    """Drafts each request verifies: values[i][j - 1] is what request i's j-th draft is worth
+    in expected tokens (non-increasing in j; the list's length is the most it may verify).
+    step_seconds(drafts, longest): the step's seconds with that many drafts in all, the most
+    of one request being ``longest`` (0, 0: plain decoding). Drafts are taken best first; the
+    count kept maximizes expected tokens per second. max_rows: a step keeps at most this many
+    rows (the batch plus its drafts)."""
+    batch = len(values)
     gains = sorted(
-        ((rate**j, row) for row, rate in enumerate(rates) for j in range(1, max_k + 1)),
-        reverse=True,
+        ((value, row) for row, row_values in enumerate(values) for value in row_values),
+        key=lambda gain: -gain[0],
     )
-    batch = len(rates)
-    limits = [0] * batch
-    best, best_rate, expected = 0, batch / (base + per_token * batch), float(batch)
     if max_rows is not None:
         gains = gains[: max(0, max_rows - batch)]
-    for count, (gain, row) in enumerate(gains, start=1):
-        expected += gain
+    limits = [0] * batch
+    expected, longest = float(batch), 0
+    best, best_rate = 0, expected / step_seconds(0, 0)
+    for count, (value, row) in enumerate(gains, start=1):
+        expected += value
         limits[row] += 1
-        seconds = base + per_token * (batch + count) + per_pass * passes(limits)
-        if expected / seconds > best_rate:
-            best, best_rate = count, expected / seconds
+        longest = max(longest, limits[row])
+        rate = expected / step_seconds(count, longest)
+        if rate > best_rate:
+            best, best_rate = count, rate
     limits = [0] * batch
     for _, row in gains[:best]:
         limits[row] += 1

@@ -37,7 +37,7 @@ from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.draft_model import DraftModelDrafter
 from splitserve.engine.spec.drafter import Drafter
-from splitserve.engine.spec.dynamic import Acceptance, StepCost, plan_drafts
+from splitserve.engine.spec.dynamic import Acceptance, StepCurve, plan_drafts
 from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
 
@@ -74,36 +74,65 @@ class Speculator:
         """Verify steps stay below this many rows (dynamic mode; set by the engine from the
         CPU's native decode path, past which a step dequantizes its weights)."""
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.cost = StepCost()
+        self.curve = StepCurve({1: 0.01})
+        """Synchronous steps' seconds by rows; the engine times the device's (``measure``)."""
+        self.overlapped_curve: StepCurve | None = None
+        """Overlapped plain steps' seconds by rows, where the engine overlaps them."""
+        self.pass_seconds = 0.0
+        """Measured seconds of one drafting pass (a draft model's forward, a lookup)."""
         self.acceptance: dict[str, Acceptance] = {}
         self._started = 0.0
+        self._drafting = 0.0
         self._last_overlapped: float | None = None
         """When the last overlapped decode step was launched, while the steps since were all
         overlapped (None after a synchronous one)."""
-        self._missed_passes = 0
-        """Draft passes of the last ``propose``, which found no draft at all: the step that
-        follows runs without drafts, but paid for asking (the step in flight was read first)."""
+        self._missed = False
+        """The last ``propose`` asked for drafts and found none: the overlapped step that
+        follows lost its overlap (the step in flight was read first)."""
+
+    def measure(self, seconds_by_rows: dict[int, float], overlapping: bool) -> None:
+        """The step time by rows timed on the device (engine/warm_up.py), and whether plain
+        decode steps run overlapped (then they are priced by a curve of their own)."""
+        self.curve = StepCurve(seconds_by_rows)
+        self.overlapped_curve = StepCurve(seconds_by_rows) if overlapping else None
 
     def limits(self, reqs: list[Request]) -> list[int]:
         """The most draft tokens each request may verify in the next step."""
         k = self.config.num_speculative_tokens
-        if self.config.dynamic:
-            rates = [self._acceptance(r).rate for r in reqs]
-            planned = plan_drafts(rates, k, self.cost, self.drafter.passes, self.max_rows)
-        else:
-            planned = [k] * len(reqs)
-        return [min(n, self._room(r)) for n, r in zip(planned, reqs)]
+        caps = [min(k, self._room(r)) for r in reqs]
+        if not self.config.dynamic:
+            return caps
+        return self._plan(reqs, caps, drafting=True)
+
+    def _plan(self, reqs: list[Request], caps: list[int], drafting: bool) -> list[int]:
+        """Dynamic plan for reqs verifying at most caps drafts; drafting: the drafts are still
+        to be made (their passes cost), else they are made and only their rows cost."""
+        batch = len(reqs)
+        plain = self.overlapped_curve or self.curve
+        passes = self.drafter.passes
+
+        def step_seconds(drafts: int, longest: int) -> float:
+            if drafts == 0:
+                return plain.seconds(batch)
+            drafting_seconds = self.pass_seconds * passes([longest]) if drafting else 0.0
+            return self.curve.seconds(batch + drafts) + drafting_seconds
+
+        values = [self._acceptance(r).values(cap) for r, cap in zip(reqs, caps)]
+        return plan_drafts(values, step_seconds, self.max_rows)
 
     def overlapped(self, tokens: int) -> None:
         """An overlapped decode step of ``tokens`` rows is launched. Steps without drafts take
         that path (CUDA graphs, host work hidden behind the device's) and never reach
         ``verify``; the time between two consecutive launches is one such step, recorded so
-        that the fit weighs drafts against the plain step that really runs (on a GPU several
-        times cheaper than a synchronous eager one)."""
+        that drafts are weighed against the plain step that really runs (on a GPU several
+        times cheaper than a synchronous eager one). After a lookup that found nothing it is
+        a step that lost its overlap, recorded as a synchronous one."""
         now = time.perf_counter()
         if self._last_overlapped is not None:
-            self.cost.record(tokens, self._missed_passes, now - self._last_overlapped)
-        self._missed_passes = 0
+            curve = self.curve if self._missed else self.overlapped_curve
+            if curve is not None:
+                curve.record(tokens, now - self._last_overlapped)
+        self._missed = False
         self._last_overlapped = now
 
     def idle(self) -> None:
@@ -112,21 +141,42 @@ class Speculator:
         self._last_overlapped = None
 
     def propose(self, running: list[Request]) -> None:
-        """Draft tokens for the running requests that decode next; starts the step's clock."""
+        """Draft tokens for the running requests that decode next; starts the step's clock.
+        A drafter whose passes do not depend on the count (a lookup) is asked for every
+        draft it may make (by every request, unless asking would cost an overlapped step);
+        once the drafts are known, the plan is made over what they are (a request with fewer
+        leaves rows to the others)."""
         self._started = time.perf_counter()
         for req in running:  # drafts of a request the last step had no budget for
             req.draft_token_ids = []
         reqs = [r for r in running if _decoding(r)]
-        limits = self.limits(reqs)
-        asked = [(r, n) for r, n in zip(reqs, limits) if n > 0]
-        drafts = self.drafter.propose([r for r, _ in asked], [n for _, n in asked])
-        for req, draft in zip([r for r, _ in asked], drafts):
-            req.draft_token_ids = draft
-            if not draft:
-                self._acceptance(req).missed()
-        found = any(drafts)
-        self._missed_passes = 0 if found else self.drafter.passes([n for _, n in asked])
-        for req, n in zip(reqs, limits):
+        k = self.config.num_speculative_tokens
+        if self.drafter.passes([1]) != self.drafter.passes([16]):
+            limits = self.limits(reqs)
+        elif self.overlapped_curve is None:  # a lookup, no overlap to lose: everyone asked
+            limits = [min(k, self._room(r)) for r in reqs]
+        else:
+            limits = [min(k, self._room(r)) if n else 0 for r, n in zip(reqs, self.limits(reqs))]
+        asked = [i for i, n in enumerate(limits) if n > 0]
+        drafted = time.perf_counter()
+        drafts = self.drafter.propose([reqs[i] for i in asked], [limits[i] for i in asked])
+        self._drafting = time.perf_counter() - drafted
+        passes = self.drafter.passes([limits[i] for i in asked])
+        if passes:
+            self.pass_seconds += 0.2 * (self._drafting / passes - self.pass_seconds)
+        caps = [0] * len(reqs)
+        for i, draft in zip(asked, drafts):
+            caps[i] = len(draft)
+        if self.config.dynamic:
+            caps = self._plan(reqs, caps, drafting=False)
+        found = False
+        for i, draft in zip(asked, drafts):
+            reqs[i].draft_token_ids = draft[: caps[i]]
+            found = found or bool(caps[i])
+            if not draft and self.overlapped_curve is not None:
+                self._acceptance(reqs[i]).record(1, 0)  # asking cost the overlap: a miss
+        self._missed = bool(asked) and not found
+        for req, n in zip(reqs, caps):
             if n == 0 and req.request_id in self.acceptance:
                 self.acceptance[req.request_id].idle()
 
@@ -191,9 +241,11 @@ class Speculator:
                 req.num_computed_tokens = req.num_tokens - 1
                 block_manager.commit(req)
                 block_manager.trim(req, req.num_computed_tokens)
-        passes = self.drafter.passes([len(d) for d in drafts])
-        seconds = time.perf_counter() - self._started
-        self.cost.record(sum(batch.num_new_tokens), passes, seconds)
+        seconds = time.perf_counter() - self._started - self._drafting
+        rows = sum(batch.num_new_tokens)
+        if len(reqs) == len(batch.requests) and rows == len(reqs) + sum(map(len, drafts)):
+            self.curve.record(rows, seconds)  # decode rows only: a prompt chunk is no verify
+        self._drafting = 0.0
         self._last_overlapped = None
 
     def release(self, req: Request) -> None:
