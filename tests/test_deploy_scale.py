@@ -35,8 +35,9 @@ def request_log(server: ServerProcess) -> list[dict[str, Any]]:
 
 
 def workers_served(server: ServerProcess) -> tuple[set[str], set[str]]:
-    """The prefill and the decode workers that the request log names."""
-    log = request_log(server)
+    """The prefill and the decode workers that the request log names (refused requests, logged
+    as ``{"refused": ...}``, name none)."""
+    log = [e for e in request_log(server) if "refused" not in e]
     return {e["prefill_worker"] for e in log}, {e["decode_worker"] for e in log}
 
 

@@ -40,9 +40,14 @@ def test_30_prompts_through_2_prefill_workers_equal_colocated(
 
 def test_round_robin_sent_kv_from_both_prefill_workers(server: ServerProcess) -> None:
     completions(server.url, PROMPTS[:4], stream=False)
-    sent = [worker_metric(server.url, BYTES, w) for w in ("prefill-0", "prefill-1")]
-    assert min(sent) > 0
-    assert worker_metric(server.url, BYTES, "decode-0") == sum(sent)
+
+    def settled() -> bool:
+        """Each worker's counters reach the API server with its next statistics (every 0.2 s):
+        wait until the sent and the received bytes agree."""
+        sent = [worker_metric(server.url, BYTES, w) for w in ("prefill-0", "prefill-1")]
+        return min(sent) > 0 and worker_metric(server.url, BYTES, "decode-0") == sum(sent)
+
+    wait_for(settled, 10, interval=0.2, message="decode-0's received bytes = the bytes sent")
 
 
 BYTES = "splitserve:kv_transfer_bytes_total"
