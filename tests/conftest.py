@@ -52,8 +52,9 @@ def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
 # beside a whole deployment and once missed its bound (0.41 s against 0.25 s). Modules that
 # start only light processes (two Gloo peers: test_transfer, test_expert_parallel; a stub HTTP
 # server: test_bench_serve) run in the other lane, which finishes a minute or so earlier. So do
-# three deployments that neither restart workers nor bound a latency (test_deepseek_serving,
-# test_api_responses_messages, test_shape_serving): in this lane the suite took over 12 minutes.
+# four deployments that neither restart workers nor bound a latency (test_deepseek_serving,
+# test_api_responses_messages, test_shape_serving, test_disagg_2p1d): in this lane the suite
+# took over 12 minutes.
 PROCESS_MODULES = frozenset(
     {
         "test_api_e2e",
@@ -64,7 +65,6 @@ PROCESS_MODULES = frozenset(
         "test_api_hung_redis",
         "test_deploy_placement",
         "test_deploy_scale",
-        "test_disagg_2p1d",
         "test_disagg_chaos",
         "test_disagg_e2e",
         "test_disagg_faults",

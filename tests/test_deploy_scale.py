@@ -30,14 +30,16 @@ def pools(server: ServerProcess) -> dict[str, list[str]]:
 
 
 def request_log(server: ServerProcess) -> list[dict[str, Any]]:
+    """The finished requests' lines (refused requests, logged as ``{"refused": ...}``, left
+    out)."""
     prefix = "splitserve request "
-    return [json.loads(line[len(prefix) :]) for line in server.lines if line.startswith(prefix)]
+    lines = [json.loads(line[len(prefix) :]) for line in server.lines if line.startswith(prefix)]
+    return [e for e in lines if "refused" not in e]
 
 
 def workers_served(server: ServerProcess) -> tuple[set[str], set[str]]:
-    """The prefill and the decode workers that the request log names (refused requests, logged
-    as ``{"refused": ...}``, name none)."""
-    log = [e for e in request_log(server) if "refused" not in e]
+    """The prefill and the decode workers that the request log names."""
+    log = request_log(server)
     return {e["prefill_worker"] for e in log}, {e["decode_worker"] for e in log}
 
 
