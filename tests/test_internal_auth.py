@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.request import SamplingParams
 from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress, start_store
 from splitserve.kvstore.signed_store import ForgedValue, SignedStore
@@ -23,9 +22,8 @@ from splitserve.kvstore.transfer import KVTransport, TransferError
 from splitserve.services import messages as msg
 from splitserve.services.sealing import TAG_BYTES, Forged, Sealer
 from splitserve.services.workers.engine_worker import EngineWorker
-from splitserve.services.workers.spec import WorkerSpec
 from tests.support.tiny_models import tiny_model
-from tests.support.worker_sockets import ApiEnd
+from tests.support.worker_sockets import ApiEnd, colocated_worker
 
 pytestmark = pytest.mark.slow
 ENGINE = {"kv_cache_bytes": 16 << 20, "max_model_len": 512}
@@ -54,13 +52,8 @@ def worker(
     smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[EngineWorker, ApiEnd]]:
     model = tiny_model(smollm2_tokenizer, tmp_path_factory.mktemp("tiny-llama"))[1]
-    worker = EngineWorker(WorkerSpec("both-0", "both", EngineConfig(model, **ENGINE), threads=0))
-    api = ApiEnd(worker.start(), worker.sealer)
-    try:
-        yield worker, api
-    finally:
-        api.close()
-        worker.stop()
+    with colocated_worker(model, **ENGINE) as started:
+        yield started
 
 
 def test_a_worker_drops_messages_without_its_hmac_counts_them_and_keeps_serving(

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
 
 from splitserve import curve
+from splitserve.engine.config import EngineConfig
 from splitserve.services import messages as msg
 from splitserve.services.sealing import Sealer
+from splitserve.services.workers.engine_worker import EngineWorker
+from splitserve.services.workers.spec import WorkerSpec
 from tests.support.wait import wait_for
 
 
@@ -92,3 +96,16 @@ class ApiEnd:
                 self.tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
                 if delta.finish_reason is not None:
                     self.finished.add(delta.request_id)
+
+
+@contextmanager
+def colocated_worker(model: str, **engine: Any) -> Iterator[tuple[EngineWorker, ApiEnd]]:
+    """A started worker of role ``both`` on the model (no threads of its own) and the API
+    server's end of its sockets; both closed at the end."""
+    worker = EngineWorker(WorkerSpec("both-0", "both", EngineConfig(model, **engine), threads=0))
+    api = ApiEnd(worker.start(), worker.sealer)
+    try:
+        yield worker, api
+    finally:
+        api.close()
+        worker.stop()
