@@ -51,6 +51,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True
+    """Models with sliding-window layers (Gemma 3) keep those layers' KV in KV cache groups of
+    their own that hold only the window (engine/hybrid_blocks.py); False: every layer keeps
+    the whole context in one group."""
+    window_replay_allowance: int | None = None
+    """On a prefix hit with window groups, their KV is rebuilt by replaying the prefix's last
+    window + this many tokens (bounded replay, close to but not equal to an uncached run);
+    None replays the whole prefix (exact)."""
     attention_backend: str = "auto"
     """auto (triton on CUDA with Triton installed, else torch), torch or triton."""
     cuda_graph_max_batch: int = 512
@@ -105,6 +113,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
             )
+        if self.window_replay_allowance is not None and self.window_replay_allowance < 0:
+            raise ValueError("window_replay_allowance must be at least 0 (or None: exact)")
         if self.grammar_budget_s <= 0:
             raise ValueError("grammar_budget_s must be positive")
         if self.expert_load_dir is not None and not self.record_expert_load:

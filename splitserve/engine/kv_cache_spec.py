@@ -1,8 +1,15 @@
 """What one token leaves in the paged KV cache: the shape a model declares for its cache.
 
 The model runner allocates one tensor ``[parts, layers, blocks, block_size, heads, head_dim]``
-from the spec; the block manager, prefix cache, store and handoff move its blocks as opaque
-slices of that tensor (``runner.kv_shape``), so they carry any kind unchanged in meaning.
+per KV cache group from its spec; the block manager, prefix cache, store and handoff move the
+blocks of group 0 as opaque slices of that tensor (``runner.kv_shape``), so they carry any
+kind unchanged in meaning.
+
+A model whose layers attend differently declares one group per kind (``KVCacheGroup``):
+group 0 holds the layers that see the whole context, and is what prefix caching hashes,
+stores and shares; each further group holds sliding-window layers, with a block table of its
+own per request from which the blocks behind the window are freed while the request runs
+(``engine/hybrid_blocks.py``).
 """
 
 from __future__ import annotations
@@ -31,3 +38,20 @@ class KVCacheSpec:
     def values_per_token(self) -> int:
         """Values one token leaves in the cache, over every layer."""
         return self.parts * self.layers * self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table. ``layers``: the decoder layers whose attention
+    reads this group's tensor, in the order of its layer axis. ``window``: each query sees
+    its last ``window`` positions (None: the whole context; group 0 is always None)."""
+
+    spec: KVCacheSpec
+    layers: tuple[int, ...]
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.spec.layers:
+            raise ValueError("a KV cache group's spec counts its layers")
+        if self.window is not None and self.window < 1:
+            raise ValueError("a sliding window holds at least one position")

@@ -14,6 +14,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.expert_load import ExpertLoadRecorder
 from splitserve.engine.expert_rebalance import live_rebalancer
+from splitserve.engine.hybrid_blocks import HybridBlockManager
 from splitserve.engine.kv_handoff import KVHandoff
 from splitserve.engine.loader import (
     eos_token_ids,
@@ -76,10 +77,10 @@ class LLMEngine:
         )
         dtype = str(self.runner.dtype).removeprefix("torch.")
         tag = "" if config.cpu_weights == "auto" else f"+{config.cpu_weights}-weights"
+        if len(self.runner.kv_groups) > 1:
+            tag += "+window-groups"  # a block holds the global layers only
         root = hash_root(config.model, dtype + tag, config.block_size)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, root
-        )
+        self.block_manager = block_manager(config, self.runner, root)
         self.scheduler = Scheduler(config, self.block_manager)
         self.prefix_cache = (
             PrefixCache(self.block_manager, self.runner, block_store, cache_events)
@@ -379,3 +380,13 @@ class LLMEngine:
         counters = self.spec.counters if self.spec is not None else None
         tokens = self.prompt_tokens_computed, self.generation_tokens
         return engine_stats(self.scheduler, self.block_manager, *tokens, counters)
+
+
+def block_manager(config: EngineConfig, runner: ModelRunner, root: int) -> BlockManager:
+    """The block manager of the runner's KV cache groups: with sliding-window groups, one
+    that gives each its own table (engine/hybrid_blocks.py)."""
+    args = (runner.num_blocks, config.block_size, config.enable_prefix_caching, root)
+    if len(runner.kv_groups) == 1:
+        return BlockManager(*args)
+    windows = [(n, g.window or 0) for n, g in zip(runner.window_blocks, runner.kv_groups[1:])]
+    return HybridBlockManager(*args, windows, config.window_replay_allowance)

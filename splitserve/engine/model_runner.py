@@ -12,6 +12,8 @@ from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.kv_cache_spec import KVCacheGroup
+from splitserve.engine.kv_groups import StepRows, pool_sizes, window_metadata
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.attention_backends import choose_backend, make_backend
 from splitserve.engine.layers.bf16_linear import to_bf16_layers
@@ -72,8 +74,9 @@ class ModelRunner:
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         # An expert-parallel step reads its exchange's row counts on the host: no graphs, no
-        # overlapped steps (engine/expert_parallel.py).
-        eager = config.expert_parallel_size > 1
+        # overlapped steps (engine/expert_parallel.py); nor do window groups (their tables
+        # are not in the graphs' inputs).
+        eager = config.expert_parallel_size > 1 or len(self.kv_groups) > 1
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not eager:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             spec = config.speculative
@@ -124,25 +127,51 @@ class ModelRunner:
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.model.kv_cache_spec().values_per_token() * self.block_size * element
+        """Bytes of one group-0 block (what prefix caching stores and a peer sends)."""
+        return self.kv_groups[0].spec.values_per_token() * self.block_size * self._element()
+
+    def _element(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def _kv_groups(self) -> list[KVCacheGroup]:
+        groups = self.model.kv_cache_groups()
+        if len(groups) > 1 and not self.config.hybrid_kv_cache:
+            layers = tuple(range(self.model_config.num_layers))
+            return [KVCacheGroup(self.model.kv_cache_spec(), layers)]
+        return groups
 
     def _allocate_kv_cache(self) -> int:
+        """One paged tensor per KV cache group; returns group 0's block count (the sliding
+        groups' are ``window_blocks``)."""
+        self.kv_groups = self._kv_groups()
         num_blocks = self.config.num_kv_blocks
-        if num_blocks is None:
-            budget = self.config.kv_cache_bytes
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.gpu_memory_utilization)
-            num_blocks = max(1, budget // self.kv_bytes_per_block())
-        # One block more than the block manager hands out: the scratch block of padded rows.
-        shape = self.model.kv_cache_spec().shape(num_blocks + 1, self.block_size)
-        # Zeroed: masked attention over never-written slots must not meet NaN bit patterns.
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.model.bind_kv_cache(self.kv_cache)
+        budget = self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        cfg = self.config
+        sizes = pool_sizes(
+            self.kv_groups, budget, self.block_size, self._element(),
+            cfg.max_num_seqs, cfg.max_num_batched_tokens,
+        )  # fmt: skip
+        if num_blocks is not None:
+            sizes[0] = num_blocks
+        self.window_blocks = sizes[1:]
+        # One block more than the block manager hands out: the scratch block of padded rows
+        # (in a window group, its null block). Zeroed: masked attention over never-written
+        # slots must not meet NaN bit patterns.
+        self.kv_caches = [
+            torch.zeros(g.spec.shape(n + 1, self.block_size), dtype=self.dtype, device=self.device)
+            for g, n in zip(self.kv_groups, sizes)
+        ]
+        self.kv_cache = self.kv_caches[0]
+        if len(self.kv_groups) == 1:
+            self.model.bind_kv_cache(self.kv_cache)
+        else:
+            self.model.bind_kv_groups(self.kv_caches, self.kv_groups)
         if self.device.type == "cpu":
             self.model.native_decode = NativeDecode.build(self.model)
-        return num_blocks
+        return sizes[0]
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of these blocks: [parts, layers, n, block, heads, dim]
@@ -238,6 +267,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
+        steps: list[StepRows] = []
         sample_rows: list[int] = []
         sampled: list[int] = []
         bs = self.block_size
@@ -252,8 +282,10 @@ class ModelRunner:
             ids.extend(tokens[start:end])
             pos.extend(range(start, end))
             table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if num_new == 1 or verifies[i]:  # a verify step's positions: a decode row each
+            slots.extend(self._slot(table, p, req.cached_until) for p in range(start, end))
+            decode = num_new == 1 or verifies[i]  # a verify step's positions: a decode row each
+            steps.append(StepRows(req, start, end, row, decode))
+            if decode:
                 decode_tables.extend(table[: -(-p // bs)] for p in range(start + 1, end + 1))
                 decode_lens.extend(range(start + 1, end + 1))
             else:
@@ -273,7 +305,20 @@ class ModelRunner:
             prefills=prefills,
             verify=any(verifies),
         )
+        for index, group in enumerate(self.kv_groups[1:], start=1):
+            assert group.window is not None
+            meta.windows.append(
+                window_metadata(steps, index, group.window, bs, self._tensor, meta.verify)
+            )
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows), sampled
+
+    def _slot(self, table: list[int], position: int, cached_until: int) -> int:
+        """Where a position's group-0 K/V goes: a replayed position whose KV came from the
+        prefix cache writes into the scratch block (engine/hybrid_blocks.py)."""
+        block = (
+            self.scratch_block if position < cached_until else table[position // self.block_size]
+        )
+        return block * self.block_size + position % self.block_size
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

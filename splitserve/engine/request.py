@@ -91,6 +91,13 @@ class Request:
         self.traffic_class: str | None = None
         self.block_table: list[int] = []
         self.num_committed_blocks = 0
+        self.window_tables: list[list[int]] = []
+        """The block table of each sliding-window KV cache group (engine/hybrid_blocks.py)."""
+        self.cached_until = 0
+        """Positions below it have group-0 KV from the prefix cache: replaying them (a hit
+        on a model with window groups) writes no group-0 KV."""
+        self.window_from = 0
+        """The first position the window groups hold KV for (block-aligned)."""
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,13 @@ class AttentionMetadata:
     verify: bool = False
     """Some decode rows are draft positions of one sequence, which attend to each other's K/V:
     the step writes every row's K/V before any row attends (no fused write-and-attend)."""
+    windows: list[AttentionMetadata] = field(default_factory=list)
+    """The same rows in each sliding-window KV cache group (engine/kv_groups.py): the
+    metadata of group g is ``windows[g - 1]``."""
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``index`` (0: this)."""
+        return self if index == 0 else self.windows[index - 1]
 
 
 class AttentionBackend(ABC):

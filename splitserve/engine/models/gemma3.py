@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
 from splitserve.engine.layers.activation import gelu_tanh_and_mul
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
@@ -97,6 +98,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        """The global layers (group 0, whose blocks prefix caching keeps), then the local
+        layers, which hold only their window (engine/hybrid_blocks.py)."""
+        cfg, local = self.config, _local(self.config)
+        kinds = [tuple(i for i in range(cfg.num_layers) if i not in local.layers), local.layers]
+        spec = [KVCacheSpec(2, len(layers), cfg.num_kv_heads, cfg.head_dim) for layers in kinds]
+        return [
+            KVCacheGroup(spec[0], kinds[0]),
+            KVCacheGroup(spec[1], kinds[1], local.window),
+        ]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = dense(hidden, self.lm_head).float()

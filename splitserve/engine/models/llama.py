@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from splitserve.engine.kv_cache_spec import KVCacheSpec
+from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
 from splitserve.engine.layers.native_decode import NativeDecode
@@ -38,6 +38,8 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_group = 0
+        """The KV cache group whose tensor and block tables this layer reads."""
 
     def forward(
         self,
@@ -50,7 +52,8 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (o_proj(attention(norm(x + residual))), x + residual)."""
         qkv, residual = self.project_qkv(x, residual, norm)
-        out = self.backend.forward_qkv(qkv, positions, rotary, self.k_cache, self.v_cache, meta)
+        group = meta.group(self.kv_group)
+        out = self.backend.forward_qkv(qkv, positions, rotary, self.k_cache, self.v_cache, group)
         return linear(out.reshape(-1, self.q_size), self.o_proj), residual
 
     def project_qkv(
@@ -163,12 +166,25 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         return KVCacheSpec(2, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        """The layers that share a block table: one group of every layer."""
+        return [KVCacheGroup(self.kv_cache_spec(), tuple(range(self.config.num_layers)))]
+
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Points each attention layer at its slices of the runner's ``kv_cache``, shaped
-        as ``kv_cache_spec`` says."""
-        for index, attn in enumerate(self.attention_layers()):
-            attn.k_cache = kv_cache[0, index]
-            attn.v_cache = kv_cache[1, index]
+        as ``kv_cache_spec`` says: every layer in one group."""
+        every = KVCacheGroup(self.kv_cache_spec(), tuple(range(self.config.num_layers)))
+        self.bind_kv_groups([kv_cache], [every])
+
+    def bind_kv_groups(self, caches: list[torch.Tensor], groups: list[KVCacheGroup]) -> None:
+        """Points each attention layer at its slices of its group's tensor (``caches[g]``
+        for ``groups[g]``, K and V along its first axis)."""
+        layers = self.attention_layers()
+        for index, (cache, group) in enumerate(zip(caches, groups)):
+            for position, layer in enumerate(group.layers):
+                layers[layer].k_cache = cache[0, position]
+                layers[layer].v_cache = cache[1, position]
+                layers[layer].kv_group = index
 
     def weight_target(self, hf_name: str) -> tuple[str, int]:
         """A checkpoint tensor's Hugging Face name -> (our parameter, first row of its slice

@@ -46,6 +46,7 @@ class DraftModelDrafter(Drafter):
             enable_prefix_caching=False,
             overlap_scheduling=False,
             speculative=None,
+            hybrid_kv_cache=False,  # its shadows have one block table
             seed=config.seed if spec.draft_seed is None else spec.draft_seed,
         )
         self.max_model_len = min(max_model_len, model_config.max_position_embeddings)

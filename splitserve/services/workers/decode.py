@@ -115,12 +115,12 @@ class DecodeWorker(EngineWorker):
 
     def _room(self, request: msg.Reserve) -> _Room:
         runner = self.engine.runner
-        blocks = self.engine.block_manager.blocks_needed(len(request.prompt_token_ids))
         image_tokens = sum(span.length for span in request.images)
         hidden = self.engine.model_config.hidden_size
         embeddings = Slot((image_tokens, hidden), runner.dtype) if image_tokens else None
         until = time.monotonic() + self.timeout_s
-        return _Room(Slot(runner.kv_shape(blocks), runner.dtype), embeddings, until)
+        kv = self.engine.handoff.transfer_shape(len(request.prompt_token_ids))
+        return _Room(Slot(kv, runner.dtype), embeddings, until)
 
     def _slots(self, header: msg.KvHeader) -> list[Slot] | None:
         """The room for the header's tensors: a reservation's KV lands in the buffer the
