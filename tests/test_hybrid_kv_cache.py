@@ -36,6 +36,7 @@ def prompts() -> list[list[int]]:
 
 def engine(path: str, tokenizer: Any, **overrides: Any) -> LLMEngine:
     overrides.setdefault("max_num_batched_tokens", 64)
+    overrides.setdefault("kv_cache_bytes", 1 << 22)
     config = EngineConfig(model=path, max_model_len=1024, block_size=BLOCK, **overrides)
     return LLMEngine(config, tokenizer=tokenizer)
 
