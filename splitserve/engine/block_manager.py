@@ -161,6 +161,14 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
 
+    def window_blocks_in_use(self) -> list[int]:
+        """Each sliding-window group's blocks held by requests (engine/hybrid_blocks.py)."""
+        return []
+
+    def window_pool_blocks(self) -> list[int]:
+        """Each sliding-window group's pool size."""
+        return []
+
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
 

@@ -145,3 +145,6 @@ class HybridBlockManager(BlockManager):
     def window_blocks_in_use(self) -> list[int]:
         """Each sliding group's blocks held by requests."""
         return [g.num_blocks - len(g.free_ids) for g in self.windows]
+
+    def window_pool_blocks(self) -> list[int]:
+        return [g.num_blocks for g in self.windows]

@@ -101,7 +101,7 @@ class KVHandoff:
     def _window_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         """The shape of each window group's part of a handoff of ``num_tokens`` tokens."""
         first, end = self._window_span(num_tokens)
-        shapes = []
+        shapes: list[tuple[int, ...]] = []
         for cache in self.runner.kv_caches[1:]:
             parts, layers, _, block, heads, dim = cache.shape
             shapes.append((parts, layers, end - first, block, heads, dim))

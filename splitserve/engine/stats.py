@@ -66,6 +66,16 @@ class EngineStats:
     num_free_blocks: int = stat("Free KV blocks", GAUGE, metric="kv_cache_free_blocks")
     num_total_blocks: int = stat("KV blocks", GAUGE, metric="kv_cache_total_blocks")
     kv_usage: float = stat("Used KV blocks, 0..1", GAUGE, 0.0, metric="kv_cache_usage_perc")
+    window_blocks_used: int = stat(
+        "KV blocks of the sliding-window groups held by requests (engine/hybrid_blocks.py)",
+        GAUGE,
+        metric="kv_cache_window_blocks_used",
+        sparse=True,
+    )
+    window_blocks_total: int = stat(
+        "KV blocks of the sliding-window groups", GAUGE, metric="kv_cache_window_blocks",
+        sparse=True,
+    )  # fmt: skip
     prompt_tokens_computed: int = stat("Prompt tokens computed (not found in a cache)")
     prompt_tokens_cached: int = stat("Prompt tokens found in the prefix cache, any tier")
     generation_tokens: int = stat("Tokens generated")
@@ -120,6 +130,8 @@ def engine_stats(
         num_free_blocks=free,
         num_total_blocks=total,
         kv_usage=1.0 - free / total,
+        window_blocks_used=sum(blocks.window_blocks_in_use()),
+        window_blocks_total=sum(blocks.window_pool_blocks()),
         prompt_tokens_computed=prompt_tokens_computed,
         prompt_tokens_cached=scheduler.prompt_tokens_cached,
         generation_tokens=generation_tokens,
