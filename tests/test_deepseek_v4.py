@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from splitserve.engine.llm_engine import LLMEngine
+from tests.support.handoff import disaggregated
 from tests.support.reference import assert_greedy_equal, hf_continuation
 from tests.support.tiny_models import tiny_deepseek_v4
 
@@ -144,6 +147,22 @@ def test_reused_prefix_gives_the_uncached_tokens(
     assert after.prompt_tokens_cached - before.prompt_tokens_cached == 40
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == 21
     assert assert_greedy_equal(v4[0], prompt, out, references[PROMPTS[1]])
+
+
+def test_prefill_and_decode_engines_equal_transformers(
+    v4: tuple[Any, str], smollm2_tokenizer: Any, references: dict[tuple[int, int], list[int]]
+) -> None:
+    """1P1D offline: the handoff carries each prompt's rows (keys, compressor rows, entries)
+    and the decode engine goes on from them."""
+
+    def engine() -> LLMEngine:
+        config = EngineConfig(model=v4[1], max_model_len=512, block_size=BLOCK)
+        return LLMEngine(config, smollm2_tokenizer)
+
+    prompts = [ids(*key) for key in PROMPTS]
+    handed = disaggregated(engine(), engine(), prompts, GREEDY)
+    for index, key in enumerate(PROMPTS):
+        assert assert_greedy_equal(v4[0], prompts[index], handed[str(index)], references[key])
 
 
 def test_cache_row_is_the_widest_layers(llm: LLM) -> None:
