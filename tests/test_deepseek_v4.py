@@ -171,3 +171,15 @@ def test_cache_row_is_the_widest_layers(llm: LLM) -> None:
     runner = llm.engine.runner
     assert runner.model.kv_cache_spec().values_per_token() == 4 * 272
     assert runner.kv_shape(3) == (1, 4, 3, BLOCK, 1, 272)
+
+
+def test_random_weight_shapes_generate_and_take_their_first_layers() -> None:
+    from splitserve.engine.shapes import shape_config
+
+    flash = shape_config("deepseek-v4-flash?layers=4")
+    assert flash.v4 is not None and flash.moe is not None
+    assert (flash.num_layers, flash.v4.layer_kinds) == (4, ("hca", "hca", "hca", "csa"))
+    assert flash.moe.hash_layers == (0, 1, 2)
+    llm = LLM(model="shape:tiny-deepseek-v4", block_size=BLOCK, num_kv_blocks=32)
+    out = llm.generate([list(range(5, 40))], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == NEW

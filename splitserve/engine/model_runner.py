@@ -72,8 +72,8 @@ class ModelRunner:
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         # An expert-parallel step reads its exchange's row counts on the host: no graphs, no
-        # overlapped steps (engine/expert_parallel.py).
-        eager = config.expert_parallel_size > 1
+        # overlapped steps (engine/expert_parallel.py); nor a model whose steps read the host.
+        eager = config.expert_parallel_size > 1 or not self.model.graph_safe
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not eager:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             spec = config.speculative

@@ -30,7 +30,9 @@ class V4MoE(DeepseekMoE):
         self.tid2eid: nn.Parameter | None = None
         if hashed:
             self.e_score_correction_bias = None
-            table = torch.zeros(vocab_size, moe.top_k, dtype=torch.long)
+            # A checkpoint's table replaces it; random weights (shapes) spread tokens evenly.
+            table = torch.arange(vocab_size)[:, None] * moe.top_k + torch.arange(moe.top_k)
+            table = table % moe.num_experts
             self.tid2eid = nn.Parameter(table, requires_grad=False)
 
     def experts_of(self, h: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

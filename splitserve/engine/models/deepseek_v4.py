@@ -67,6 +67,7 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(MixtralForCausalLM):
+    graph_safe = False  # the torch attention loops over the step's queries on the host
     expert_block = "mlp"
     expert_projections: ClassVar[dict[str, tuple[str, int]]] = (
         Qwen3MoeForCausalLM.expert_projections  # the same per-expert names

@@ -108,6 +108,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    graph_safe = True
+    """A decode step reads nothing back to the host: it can be captured in a CUDA graph and
+    overlapped with the next step's scheduling."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
