@@ -12,6 +12,7 @@ from splitserve.engine.local_attention import (
     gemma3_from_hf,
     pattern_layers,
 )
+from splitserve.engine.v4_config import V4Config, v4_from_hf
 
 SUPPORTED_ARCHITECTURES = (
     "llama",
@@ -24,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "deepseek_v2",
     "deepseek_v3",
     "deepseek_mtp",  # the MTP layer of a deepseek_v3 checkpoint (engine/spec/mtp.py)
+    "deepseek_v4",
 )
 
 
@@ -41,20 +43,25 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()
     scoring: str = "softmax"
     """DeepSeekMoE (``layers/deepseek_moe.py``): "softmax" (V2: groups ranked by their best
-    expert) or "sigmoid" (V3: a per-expert ``e_score_correction_bias`` added for the choice
-    only, groups ranked by the sum of their two best)."""
+    expert), "sigmoid" (V3: a per-expert ``e_score_correction_bias`` added for the choice
+    only, groups ranked by the sum of their two best) or "sqrtsoftplus" (V4: sqrt(softplus),
+    the bias as V3's)."""
     num_groups: int = 1
     topk_groups: int = 1
     """The top_k experts come from the ``topk_groups`` best of ``num_groups`` groups."""
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
     """The shared experts beside the routed ones, as one SwiGLU MLP of this width (0: none)."""
+    hash_layers: tuple[int, ...] = ()
+    """Layers whose experts are a fixed table of each token id's (V4's ``tid2eid``)."""
+    swiglu_limit: float | None = None
+    """V4: the gate clamped to at most this, the up projection to +-this, before SwiGLU."""
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError("moe top_k must be in [1, num_experts]")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"moe scoring must be softmax or sigmoid, not {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"moe scoring {self.scoring!r}: softmax, sigmoid or sqrtsoftplus")
         if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
             raise ValueError("moe groups must divide the experts, topk_groups in [1, groups]")
 
@@ -126,6 +133,8 @@ class ModelConfig:
     """The softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)."""
     final_logit_softcapping: float | None = None
     """Logits become cap * tanh(logits / cap) (Gemma, where its config sets it)."""
+    v4: V4Config | None = None
+    """DeepSeek-V4's compressed attention and hyper-connections (``models/deepseek_v4.py``)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -151,6 +160,10 @@ class ModelConfig:
         if model_type == "gemma3_text":
             _check_gemma3(cfg)
             local, rope_theta, rope_scaling = gemma3_from_hf(cfg)
+        v4 = v4_from_hf(cfg) if model_type == "deepseek_v4" else None
+        if v4 is not None:  # the window is V4's own; the checkpoint has no dense MLP
+            cfg = {**cfg, "sliding_window": None, "intermediate_size": cfg["moe_intermediate_size"]}
+            rope_scaling = None
         mla = _mla_from_hf(cfg)
         if mla is not None:
             cfg = {**cfg, "head_dim": mla.qk_rope_head_dim, "num_key_value_heads": num_heads}
@@ -179,6 +192,7 @@ class ModelConfig:
             local_attention=local,
             attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if local else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            v4=v4,
         )
 
     @classmethod
@@ -276,9 +290,37 @@ def _deepseek_moe(cfg: dict[str, Any]) -> MoEConfig:
     )
 
 
+def _v4_moe(cfg: dict[str, Any]) -> MoEConfig:
+    """V4: every layer routed (``hash_moe`` layers by token id), one shared expert, the
+    chosen scores always renormalized (as transformers)."""
+    layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        hashed = cfg.get("num_hash_layers", 3)
+        kinds = ["hash_moe"] * min(layers, hashed) + ["moe"] * max(0, layers - hashed)
+    if (
+        cfg.get("n_shared_experts", 1) != 1
+        or cfg.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus"
+    ):
+        raise ValueError("deepseek_v4: one shared expert and sqrtsoftplus scoring only")
+    return MoEConfig(
+        num_experts=cfg["n_routed_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        renormalize=True,
+        scoring="sqrtsoftplus",
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        shared_intermediate_size=cfg["moe_intermediate_size"],
+        hash_layers=tuple(i for i, kind in enumerate(kinds[:layers]) if kind == "hash_moe"),
+        swiglu_limit=float(cfg.get("swiglu_limit") or 0) or None,
+    )
+
+
 def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> MoEConfig | None:
     if model_type in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe(cfg)
+    if model_type == "deepseek_v4":
+        return _v4_moe(cfg)
     if model_type == "mixtral":
         return MoEConfig(
             num_experts=cfg["num_local_experts"],

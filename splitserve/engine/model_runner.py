@@ -74,9 +74,11 @@ class ModelRunner:
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         # An expert-parallel step reads its exchange's row counts on the host: no graphs, no
-        # overlapped steps (engine/expert_parallel.py); nor do window groups (their tables
-        # are not in the graphs' inputs).
-        eager = config.expert_parallel_size > 1 or len(self.kv_groups) > 1
+        # overlapped steps (engine/expert_parallel.py); nor a model whose steps read the host,
+        # nor window groups (their tables are not in the graphs' inputs).
+        eager = (
+            config.expert_parallel_size > 1 or not self.model.graph_safe or len(self.kv_groups) > 1
+        )
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not eager:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             spec = config.speculative

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from splitserve.engine.model_config import MLAConfig, ModelConfig, MoEConfig
+from splitserve.engine.v4_config import Rope, V4Config
 
 
 def _shape(**fields: Any) -> ModelConfig:
@@ -184,6 +185,82 @@ SHAPES |= {
 }
 
 
+def _v4(kinds: tuple[str, ...], **fields: Any) -> V4Config:
+    base: dict[str, Any] = {"hc_iters": 20, "hc_eps": 1e-6, "main_rope": Rope(10000.0)}
+    return V4Config(layer_kinds=kinds, **{**base, **fields})
+
+
+_V4_FLASH_KINDS = ("hca", "hca", *("csa" if i % 2 else "hca" for i in range(41)))
+SHAPES |= {
+    # Test-sized DeepSeek-V4: sliding, CSA and HCA layers, 2 streams, a hash-routed layer.
+    "tiny-deepseek-v4": _shape(
+        architecture="deepseek_v4",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        moe=MoEConfig(8, 2, 32, True, (), "sqrtsoftplus", 1, 1, 1.5, 32, (0,), 3.0),
+        v4=_v4(
+            ("sliding", "csa", "hca", "csa"),
+            head_dim=32,
+            rope_dim=8,
+            q_lora_rank=24,
+            window=8,
+            csa_rate=4,
+            hca_rate=8,
+            o_groups=2,
+            o_lora_rank=16,
+            index_heads=16,
+            index_head_dim=16,
+            index_topk=3,
+            hc_mult=2,
+            compress_rope=Rope(160000.0),
+        ),
+    ),
+    # DeepSeek-V4-Flash as transformers' default config describes it: 43 layers (2 HCA,
+    # then CSA and HCA alternating), 256 experts of 2048, top-6, the first 3 hash-routed,
+    # 4 streams; the compress rope without YaRN. ``?layers=N`` as V3's.
+    "deepseek-v4-flash": _shape(
+        architecture="deepseek_v4",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1048576,
+        vocab_size=129280,
+        hidden_size=4096,
+        intermediate_size=2048,
+        num_layers=43,
+        num_heads=64,
+        num_kv_heads=1,
+        head_dim=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        moe=MoEConfig(256, 6, 2048, True, (), "sqrtsoftplus", 1, 1, 1.5, 2048, (0, 1, 2), 10.0),
+        v4=_v4(
+            _V4_FLASH_KINDS,
+            head_dim=512,
+            rope_dim=64,
+            q_lora_rank=1024,
+            window=128,
+            csa_rate=4,
+            hca_rate=128,
+            o_groups=8,
+            o_lora_rank=1024,
+            index_heads=64,
+            index_head_dim=128,
+            index_topk=512,
+            hc_mult=4,
+            compress_rope=Rope(160000.0),
+        ),
+    ),
+}
+
+
 def shape_config(name: str) -> ModelConfig:
     """A shape by name, with an optional ``?layers=N`` suffix (N at most the shape's)."""
     base, _, query = name.partition("?")
@@ -198,8 +275,11 @@ def shape_config(name: str) -> ModelConfig:
             f"shape option {query!r}: only layers=N, N in [1, {config.num_layers}], is known"
         )
     layers = int(value)
-    moe = config.moe
+    moe, v4 = config.moe, config.v4
     if moe is not None:
         dense = tuple(i for i in moe.dense_layers if i < layers)
-        moe = dataclasses.replace(moe, dense_layers=dense)
-    return dataclasses.replace(config, num_layers=layers, moe=moe)
+        hashed = tuple(i for i in moe.hash_layers if i < layers)
+        moe = dataclasses.replace(moe, dense_layers=dense, hash_layers=hashed)
+    if v4 is not None:
+        v4 = dataclasses.replace(v4, layer_kinds=v4.layer_kinds[:layers])
+    return dataclasses.replace(config, num_layers=layers, moe=moe, v4=v4)

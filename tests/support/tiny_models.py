@@ -1,5 +1,5 @@
 """Small random models of the Llama family, its MoE relatives (Mixtral, Qwen3-MoE) and
-DeepSeek-V2/V3, saved as Hugging Face directories (safetensors) with SmolLM2's tokenizer, for
+DeepSeek-V2/V3/V4, saved as Hugging Face directories (safetensors) with SmolLM2's tokenizer, for
 tests that need a real checkpoint that loads in a moment."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 BASE = dict(
     hidden_size=64,
@@ -65,6 +66,8 @@ def tiny_model(
         with torch.no_grad():
             for layer in model.model.layers[model.config.first_k_dense_replace :]:
                 layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+    if family == "deepseek_v4":
+        _draw_v4_extras(model)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model, str(path)
@@ -160,3 +163,50 @@ def tiny_deepseek_v3(tokenizer: Any, path: Path) -> tuple[Any, str]:
         n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         rope_parameters=yarn,
     )  # fmt: skip
+
+
+V4_LAYERS = [
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+]
+
+
+def tiny_deepseek_v4(tokenizer: Any, path: Path, seed: int = 10) -> tuple[Any, str]:
+    """V4's layout at test size: a sliding layer, two CSA layers (4 tokens an entry, the
+    indexer's best 3 of them) and an HCA layer (8 tokens an entry), a window of 8, 2
+    hyper-connection streams, 4 heads of 32 with a rope part of 8, the output in 2 groups,
+    the first layer's experts hashed from the token id and the others top-2 of 8, SwiGLU
+    clipped at 3. The indexer has 16 heads: with few, a query often scores several entries
+    exactly 0 (every head's ReLU at 0) and transformers' own cached and uncached runs then
+    break the tie differently."""
+    return tiny_model(
+        tokenizer, path, "deepseek_v4", seed=seed, num_hidden_layers=4, num_key_value_heads=1,
+        head_dim=32, q_lora_rank=24, partial_rotary_factor=0.25, intermediate_size=32,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        layer_types=V4_LAYERS, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        sliding_window=8, hc_mult=2, o_groups=2, o_lora_rank=16, index_n_heads=16,
+        index_head_dim=16, index_topk=3, swiglu_limit=3.0,
+    )  # fmt: skip
+
+
+def _draw_v4_extras(model: Any) -> None:
+    """The parameters transformers starts at zero or one (or a zero table) drawn, so that
+    they change the outputs: sinks, the compressors' position biases, the routers' biases and
+    hash tables, the hyper-connections' bases and scales, the norms."""
+    experts = model.config.n_routed_experts
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            last = name.rsplit(".", 1)[-1]
+            if last in ("sinks", "position_bias", "base", "hc_base"):
+                param.normal_(0, 0.5)
+            elif last in ("scale", "hc_scale") or name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                gate.tid2eid.copy_(torch.randint(0, experts, gate.tid2eid.shape))
+            else:
+                gate.e_score_correction_bias.uniform_(-0.3, 0.3)

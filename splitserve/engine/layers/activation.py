@@ -1,5 +1,6 @@
-"""Gated MLP activations on [T, 2 * I] laid out gate | up: SwiGLU's silu(gate) * up, and
-GeGLU's gelu(gate) * up with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+"""Gated MLP activations on [T, 2 * I] laid out gate | up: SwiGLU's silu(gate) * up, its
+clipped form (DeepSeek-V4), and GeGLU's gelu(gate) * up with the tanh approximation (Gemma's
+``gelu_pytorch_tanh``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return native.silu_and_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def clipped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """SwiGLU with the gate clamped to at most ``limit`` and the up projection to
+    [-limit, limit] first."""
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,17 +125,31 @@ def grouped_gemm(
     return out
 
 
+Activation = Callable[[torch.Tensor], torch.Tensor]
+"""[rows, 2 * I] gate | up -> [rows, I] (SwiGLU's silu_and_mul, or V4's clipped one)."""
+
+
 def experts_forward(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing, perm: Permutation
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    perm: Permutation,
+    act: Activation = silu_and_mul,
 ) -> torch.Tensor:
     """The routed SwiGLU experts of tokens x [T, H]: w13 [E, 2I, H] (gate | up), w2 [E, H, I]."""
     gate_up = grouped_gemm(x, w13, perm.offsets, perm.rows)
-    down = grouped_gemm(silu_and_mul(gate_up), w2, perm.offsets)
+    down = grouped_gemm(act(gate_up), w2, perm.offsets)
     return combine(down, perm.order, routing.weights)
 
 
 def distributed_experts(
-    ep: ExpertParallel, h: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor
+    ep: ExpertParallel,
+    h: torch.Tensor,
+    routing: Routing,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: Activation = silu_and_mul,
 ) -> torch.Tensor:
     """The routed experts of this rank's tokens h [T, H], computed on the ranks that hold them
     (``layers/expert_placement.py``); this rank's experts (w13, w2: its slots) serve whatever
@@ -147,7 +162,7 @@ def distributed_experts(
     rows = ep.exchange(h[order // top_k], send, recv)
     slots = ep.exchange(slot[order], send, recv)
     local = Routing(torch.ones((len(slots), 1), device=h.device), slots[:, None])
-    out = experts_forward(rows, w13, w2, local, permute(local.experts, ep.width))
+    out = experts_forward(rows, w13, w2, local, permute(local.experts, ep.width), act)
     return combine(ep.exchange(out, recv, send), order, routing.weights)
 
 
@@ -183,12 +198,19 @@ class SparseMoE(nn.Module):
     def experts(self, h: torch.Tensor) -> torch.Tensor:
         """The MoE MLP of normed tokens h [T, H] (T may be 0 on an idle expert-parallel rank)."""
         logits = dense(h, self.gate) if h.shape[0] else h.new_empty((0, self.moe.num_experts))
-        routing = self.route(logits)
+        return self.routed_experts(h, self.route(logits))
+
+    def routed_experts(self, h: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts of ``routing``'s choice for h, on this rank or across the group."""
         perm = permute(routing.experts, self.moe.num_experts)
         self.expert_load += perm.counts
         if self.ep is not None:
-            return distributed_experts(self.ep, h, routing, self.w13, self.w2)
-        return experts_forward(h, self.w13, self.w2, routing, perm)
+            return distributed_experts(self.ep, h, routing, self.w13, self.w2, self.act)
+        return experts_forward(h, self.w13, self.w2, routing, perm, self.act)
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' activation (V4 clips it first)."""
+        return silu_and_mul(gate_up)
 
     def route(self, logits: torch.Tensor) -> Routing:
         """The router's choice from its logits [T, E] (DeepSeekMoE overrides it)."""

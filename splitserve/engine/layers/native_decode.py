@@ -62,7 +62,7 @@ class NativeDecode:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (
                 getattr(attn, "qkv_proj", None),  # none in latent attention
-                attn.o_proj,
+                getattr(attn, "o_proj", None),  # none in DeepSeek-V4's
                 getattr(mlp, "gate_up_proj", None),  # none in an MoE layer
                 getattr(mlp, "down_proj", None),
             )

@@ -111,6 +111,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    graph_safe = True
+    """A decode step reads nothing back to the host: it can be captured in a CUDA graph and
+    overlapped with the next step's scheduling."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
@@ -119,9 +123,7 @@ class LlamaForCausalLM(nn.Module):
             self.build_layer(cfg, backend, index) for index in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary = self.build_rotary(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -154,6 +156,12 @@ class LlamaForCausalLM(nn.Module):
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
         """Decoder layer ``index``: the hook where other families put their attention or MLP."""
         return LlamaDecoderLayer(cfg, backend)
+
+    def build_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        """The rotary tables the layers' attention reads (every position's cos and sin)."""
+        return RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return dense(hidden, self.lm_head).float()

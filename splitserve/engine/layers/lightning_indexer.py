@@ -1,0 +1,54 @@
+"""DeepSeek-V4's lightning indexer: which compressed entries a CSA query attends to.
+
+The indexer compresses the context as CSA does (``Compressor`` with overlapping windows, at
+``index_head_dim``) into keys; a query's ``index_heads`` heads come from the attention's
+low-rank query (``q_b_proj``), rotated at the query's position, and its score of key s is
+sum_h w_h * relu(q_h . k_s) / sqrt(index_head_dim), the head weights w projected from the
+hidden states and scaled by 1 / sqrt(index_heads). A query keeps the ``index_topk`` best
+of the entries it may see (those whose windows end at or before it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.layers.interleaved_rope import InterleavedRope, rotate
+from splitserve.engine.layers.linear import dense
+from splitserve.engine.layers.v4_compressor import Compressor
+from splitserve.engine.v4_config import V4Config
+
+
+class LightningIndexer(nn.Module):
+    def __init__(self, hidden_size: int, v4: V4Config, rope: InterleavedRope, eps: float) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk = v4.index_heads, v4.index_head_dim, v4.index_topk
+        self.rate = v4.csa_rate
+        self.compressor = Compressor(hidden_size, self.dim, self.rate, True, rope, eps)
+        self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(hidden_size, self.heads, bias=False)
+        self.rope = rope
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """[L, n] bool: the entries each of L queries (hidden states x, low-rank queries
+        q_residual, positions) attends to, of the context's keys [n, index_head_dim]."""
+        rows, count = x.shape[0], keys.shape[0]
+        q = dense(q_residual, self.q_b_proj).view(rows, self.heads, self.dim)
+        q = rotate(q, *self.rope.tables(positions))
+        scores = F.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * self.dim**-0.5
+        weights = dense(x, self.weights_proj).float() * self.heads**-0.5
+        score = (scores * weights.unsqueeze(-1)).sum(dim=1)
+        seen = ((positions + 1) // self.rate)[:, None]
+        visible = torch.arange(count, device=x.device)[None, :] < seen
+        if count <= self.topk:
+            return visible
+        best = score.masked_fill(~visible, -torch.inf).topk(self.topk, dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(1, best, True)
+        return chosen & visible
