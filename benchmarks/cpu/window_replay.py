@@ -2,19 +2,21 @@
 Gemma 3 270M's real weights (engine/hybrid_blocks.py), and one long request's window.
 
 Each conversation is a user turn of natural text (the standard library's documentation) of
-1k-8k tokens, the model's 16-token answer, and a follow-up question. Turn 1 runs once, on an
-engine whose prefix cache writes through to a shared store; every mode then runs turn 2 on an
-engine of its own that loads the history from that store (which takes no more blocks), so each
-mode meets the same cached prefix:
+1k-8k tokens, a model turn, and a follow-up question. One engine runs each conversation's
+second turn uncached (mode ``none``: its TTFT, and the reference continuation: 32 greedy
+tokens and their next-token distributions); its prefix cache writes the history's blocks, and
+only those, through to a shared store. Every other mode runs the second turn on an engine of
+its own that loads the history from that store, so each meets the same cached prefix:
 
-- ``none``: no prefix cache (turn 2 computed whole);
-- ``exact``: group 0 from the cache, the window layers' KV rebuilt from the whole prefix;
+- ``exact``: group 0 from the cache, the window layers' KV rebuilt from the whole prefix (its
+  tokens must equal the reference's; TTFT on the first ``--exact-ttft`` conversations);
 - ``bounded-A``: the window layers' KV rebuilt from the prefix's last window + A tokens.
 
 TTFT is the reused turn's, one request at a time. Quality is taken teacher-forced along the
-exact mode's 32-token greedy continuation: its next-token distributions against each bounded
-mode's on the same tokens (top-1 agreement, mean KL(exact || bounded)), and the share of
-conversations whose 32 greedy tokens all stay the exact mode's.
+reference continuation: its next-token distributions against each bounded mode's on the same
+tokens (top-1 agreement, mean KL(reference || bounded)), and the share of conversations whose
+32 greedy tokens all stay the reference's. The uncached run is the exact mode's output
+(tests/test_hybrid_kv_cache.py checks that exact replay equals it token for token).
 
     python -m benchmarks.cpu.window_replay --out results.json [--conversations 50]
 """
@@ -37,10 +39,12 @@ import torch
 from splitserve.bench.report import git_commit
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.loader import load_tokenizer, resolve_model
 from splitserve.engine.sampling_params import SamplingParams
 
 MODEL = "gemma3-270m"
-ANSWER, FOLLOW_UP, CONTINUATION = 16, "What does the text above say next?", 32
+ANSWER = "I have read it."
+FOLLOW_UP, CONTINUATION = "What does the text above say next?", 32
 MODULES = (
     "argparse",
     "asyncio",
@@ -78,16 +82,17 @@ MODULES = (
 
 
 class HistoryStore:
-    """The turn-1 blocks by hash (``engine.block_cache.BlockCache``); after ``freeze`` it
-    serves them and keeps nothing else, so turn 2 of one mode leaves nothing for another."""
+    """Blocks by hash (``engine.block_cache.BlockCache``) that keeps the first ``room`` puts
+    it is given (a conversation's history) and serves them; it takes nothing else."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, torch.Tensor] = {}
-        self.frozen = False
+        self.room = 0
 
     def put(self, block_hash: int, kv: torch.Tensor, traffic_class: str | None = None) -> None:
-        if not self.frozen:
+        if self.room > 0:
             self.blocks[block_hash] = kv.clone()
+            self.room -= 1
 
     def max_blocks(self, block_bytes: int) -> int | None:
         return None
@@ -99,9 +104,6 @@ class HistoryStore:
                 break
             found.append((self.blocks[block_hash], "host"))
         return found
-
-    def freeze(self) -> None:
-        self.frozen = True
 
 
 def corpus_text() -> str:
@@ -176,23 +178,20 @@ class Conversation:
     history: int
 
 
-def conversations(engine: LLMEngine, count: int, low: int, high: int) -> list[Conversation]:
-    """Turn 1 of each conversation on ``engine`` (its store keeps the history)."""
-    tokenizer = engine.tokenizer
+def conversations(tokenizer: Any, count: int, low: int, high: int) -> list[Conversation]:
     words = tokenizer.encode(corpus_text(), add_special_tokens=False)
     out = []
     for i in range(count):
         length = round(low * (high / low) ** (i / max(count - 1, 1)))
         offset = (i * 7919) % max(len(words) - length, 1)
         user = tokenizer.decode(words[offset : offset + length])
-        turn1 = tokenizer.encode(
-            f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n"
+        history = tokenizer.encode(
+            f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n{ANSWER}"
         )
-        _, answer, _ = run(engine, turn1, ANSWER)
-        question = f"<end_of_turn>\n<start_of_turn>user\n{FOLLOW_UP}<end_of_turn>\n"
-        question += "<start_of_turn>model\n"
-        tail = tokenizer.encode(question, add_special_tokens=False)
-        out.append(Conversation(turn1 + answer + tail, len(turn1) + len(answer)))
+        tail = f"<end_of_turn>\n<start_of_turn>user\n{FOLLOW_UP}<end_of_turn>\n"
+        tail += "<start_of_turn>model\n"
+        out.append(Conversation(history + tokenizer.encode(tail, add_special_tokens=False),
+                                len(history)))  # fmt: skip
     return out
 
 
@@ -216,6 +215,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"median_ttft_ms": median([r["ttft_s"] * 1000 for r in rows])}
     out["mean_prefill_tokens"] = sum(r["computed"] for r in rows) / len(rows)
+    out["conversations"] = len(rows)
+    if "equal" in rows[0]:
+        out["equal_to_uncached_share"] = sum(r["equal"] for r in rows) / len(rows)
     if "top1_agreement" in rows[0]:
         out["top1_agreement"] = sum(r["top1_agreement"] for r in rows) / len(rows)
         out["mean_kl"] = sum(r["mean_kl"] for r in rows) / len(rows)
@@ -223,28 +225,35 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def replay_modes(convs: list[Conversation], store: HistoryStore, allowances: list[int]) -> dict:
+def replay_modes(
+    convs: list[Conversation], allowances: list[int], exact_ttft: int
+) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Per mode, a row per conversation; and the bytes the store keeps per cached token."""
     results: dict[str, list[dict[str, Any]]] = {}
-    exact = make_engine(True, None, store)
-    recorder = Recorder(exact)
+    store = HistoryStore()
+    reference = make_engine(True, None, store)
+    block = reference.config.block_size
+    stored = reference.runner.kv_bytes_per_block() // block
+    recorder = Recorder(reference)
     continuations, references = [], []
     for conv in convs:
         recorder.clear()
-        ttft, tokens, cached = run(exact, conv.turn2, CONTINUATION)
+        store.room = conv.history // block
+        ttft, tokens, _ = run(reference, conv.turn2, CONTINUATION)
         continuations.append(tokens)
         references.append(torch.cat(recorder.logits)[:CONTINUATION])
-        computed = len(conv.turn2) - cached
-        results.setdefault("exact", []).append({"ttft_s": ttft, "computed": computed})
-    del exact, recorder
-    plain = make_engine(False)
-    for conv in convs:
-        ttft, _, cached = run(plain, conv.turn2, 1)
         results.setdefault("none", []).append({"ttft_s": ttft, "computed": len(conv.turn2)})
-    del plain
+    del reference, recorder
+    exact = make_engine(True, None, store)
+    for conv, tokens in zip(convs[:exact_ttft], continuations):
+        ttft, got, cached = run(exact, conv.turn2, CONTINUATION)
+        row = {"ttft_s": ttft, "computed": len(conv.turn2) - cached, "equal": got == tokens}
+        results.setdefault("exact", []).append(row)
+    del exact
     for allowance in allowances:
         timed, forced = make_engine(True, allowance, store), make_engine(True, allowance, store)
         recorder = Recorder(forced)
-        for conv, tokens, reference in zip(convs, continuations, references):
+        for conv, tokens, ref in zip(convs, continuations, references):
             ttft, _, cached = run(timed, conv.turn2, 1)
             recorder.clear()
             run(forced, conv.turn2 + tokens[:-1], 1)
@@ -252,10 +261,10 @@ def replay_modes(convs: list[Conversation], store: HistoryStore, allowances: lis
             with torch.inference_mode():
                 logits = recorder.model.compute_logits(rows).float()
             row = {"ttft_s": ttft, "computed": len(conv.turn2) - cached}
-            row.update(quality(reference, logits, tokens))
+            row.update(quality(ref, logits, tokens))
             results.setdefault(f"bounded-{allowance}", []).append(row)
         del timed, forced, recorder
-    return results
+    return results, stored
 
 
 def long_request(length: int) -> dict[str, Any]:
@@ -294,19 +303,16 @@ def main() -> None:
     parser.add_argument("--min-prefix", type=int, default=1024)
     parser.add_argument("--max-prefix", type=int, default=8192)
     parser.add_argument("--allowances", default="0,16,64")
+    parser.add_argument("--exact-ttft", type=int, default=10)
     parser.add_argument("--long", type=int, default=8192, help="the long request's tokens")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    store = HistoryStore()
-    first = make_engine(True, None, store)
-    convs = conversations(first, args.conversations, args.min_prefix, args.max_prefix)
-    element = first.runner.kv_cache.element_size()
-    stored = first.runner.kv_bytes_per_block() // first.config.block_size
-    every_layer = first.runner.model.kv_cache_spec().values_per_token() * element
-    del first
-    store.freeze()
+    tokenizer = load_tokenizer(resolve_model(MODEL))
+    convs = conversations(tokenizer, args.conversations, args.min_prefix, args.max_prefix)
     allowances = [int(a) for a in args.allowances.split(",")]
-    results = replay_modes(convs, store, allowances)
+    results, stored = replay_modes(convs, allowances, args.exact_ttft)
+    probe = make_engine(False, hybrid=False)
+    every_layer = probe.runner.kv_bytes_per_block() // probe.config.block_size
+    del probe
     record = {
         "benchmark": "window_replay", "model": MODEL, "commit": git_commit(),
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
