@@ -1,11 +1,13 @@
 """Reasoning and the tool-call formats beside Hermes (issue 46), read from real model output:
 SmolLM2 held by a regex to write each format, its tokens detokenized as a worker streams
 them; every output read whole and token by token must give the same reasoning, content and
-calls. Malformed output is content, as written."""
+calls, and token by token each call must go out as it is written: its name as soon as its
+arguments begin, then each token's part of the arguments. Malformed output is content, as
+written.
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -44,7 +46,11 @@ NAMES = frozenset({"get_weather"})
 def model_output(llm: LLM, regex: str, max_tokens: int = 160) -> list[str]:
     """The greedy output under ``regex``, as the text deltas a worker sends (one a token)."""
     spec = StructuredOutputsParams(regex=regex)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=spec)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        structured_outputs=spec,
+    )
     [output] = llm.chat(ASK, params, use_tqdm=False)
     detok = IncrementalDetokenizer(llm.engine.tokenizer, [], [])
     deltas = []
@@ -58,12 +64,24 @@ def model_output(llm: LLM, regex: str, max_tokens: int = 160) -> list[str]:
     return deltas
 
 
-def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> tuple[str, str, list[Any]]:
-    """(reasoning, content, [(name, arguments)]) put together from the events."""
+Read = tuple[str, str, list[tuple[str | None, str]]]
+"""(reasoning, content, [(name, arguments as written)])."""
+
+
+def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> Read:
+    """What a client streamed ``deltas`` puts together."""
     events: list[Any] = []
     for delta in deltas:
         events += reader.feed(delta)
-    events += reader.finish()
+    return merged(events + reader.finish())
+
+
+def read_whole(reader: ChoiceReader | OutputParser, text: str) -> Read:
+    """The non-streamed answer."""
+    return merged(reader.read(text) if isinstance(reader, ChoiceReader) else reader.whole(text))
+
+
+def merged(events: list[Any]) -> Read:
     thought = "".join(e.text for e in events if isinstance(e, Reasoning))
     content = "".join(e for e in events if isinstance(e, str))
     calls: list[list[Any]] = []
@@ -72,7 +90,10 @@ def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> tuple[str, s
             if e.id is not None:
                 calls.append([e.name, ""])
             calls[e.index][1] += e.arguments
-    return thought, content, [(name, json.loads(arguments)) for name, arguments in calls]
+    return thought, content, [(name, arguments) for name, arguments in calls]
+
+
+ARGUMENTS = '{"city": "Paris"}'
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -80,10 +101,26 @@ def test_each_format_from_model_output_read_whole_and_token_by_token(
     smollm2_llm: LLM, name: str
 ) -> None:
     deltas = model_output(smollm2_llm, FORMATS[name])
-    whole = read(PARSERS[name](NAMES), ["".join(deltas)])
-    assert whole == ("", "", [("get_weather", {"city": "Paris"})])
+    text = "".join(deltas)
+    whole = read_whole(PARSERS[name](NAMES), text)
+    assert whole == ("", "", [("get_weather", ARGUMENTS)])
     assert read(PARSERS[name](NAMES), deltas) == whole
-    assert read(PARSERS[name](NAMES), list("".join(deltas))) == whole
+    assert read(PARSERS[name](NAMES), list(text)) == whole
+    start = text.index(ARGUMENTS)
+    parser, expected, at = PARSERS[name](NAMES), [], 0
+    for delta in deltas:  # each token's share of the arguments, sent with that token
+        low, high = max(at, start), min(at + len(delta), start + len(ARGUMENTS))
+        expected.append([text[low:high]] if low < high else [])
+        at += len(delta)
+    header = next(i for i, share in enumerate(expected) if share)
+    sent = [parser.feed(delta) for delta in deltas]
+    assert parser.finish() == [] and len(expected) - expected.count([]) >= 5
+    call = sent[header].pop(0)
+    assert isinstance(call, ToolCallDelta) and call.id is not None
+    assert (call.index, call.name, call.arguments) == (0, "get_weather", "")
+    assert [[(e.index, e.arguments, e.id) for e in events] for events in sent] == [
+        [(0, share, None) for share in shares] for shares in expected
+    ]
 
 
 def test_reasoning_from_model_output_then_a_call(smollm2_llm: LLM) -> None:
@@ -93,7 +130,7 @@ def test_reasoning_from_model_output_then_a_call(smollm2_llm: LLM) -> None:
     thought = text[len("<think>") : text.index("</think>")]
     tools = plan([ToolDefinition.model_validate(WEATHER_TOOL)], None)
     reader = OutputFormat("hermes", True).reader(tools, "<|im_start|>assistant\n", None)
-    assert read(reader, deltas) == (thought, "", [("get_weather", {"city": "Paris"})])
+    assert read(reader, deltas) == (thought, "", [("get_weather", ARGUMENTS)])
     assert reader.finish_reason("stop") == "tool_calls"
 
 
@@ -119,21 +156,62 @@ def test_text_that_only_looks_like_a_block_is_content() -> None:
 
 MALFORMED = {
     "deepseek_v3": [
-        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{bad}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\nbad\n```<｜tool▁call▁end｜>",
         "<｜tool▁call▁begin｜>other<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
-        "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}",
     ],
     "llama3_json": ['{"name": "get_weather", "parameters": [1]}', '{"name": 1}', "{not json"],
     "mistral": ["[TOOL_CALLS][{}]", "[TOOL_CALLS]get_weather{}", "[TOOL_CALLS][1"],
     "hermes": ["<tool_call>[]</tool_call>", '<tool_call>{"name": "x"}</tool_call>'],
 }
+"""Broken before a call could be sent: content as written, streamed or not."""
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_calls_are_content_as_written(name: str) -> None:
     for text in MALFORMED[name]:
+        assert read_whole(PARSERS[name](NAMES), text) == ("", text, [])
         for deltas in ([text], list(text)):
             assert read(PARSERS[name](NAMES), deltas) == ("", text, [])
+
+
+SENT_THEN_BROKEN = {
+    "deepseek_v3": [
+        (
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{bad}\n```<｜tool▁call▁end｜>",
+            ("", "bad}\n```<｜tool▁call▁end｜>", [("get_weather", "{")]),
+        ),
+        (
+            "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}",
+            ("", "", [("get_weather", "{}")]),
+        ),
+    ],
+    "llama3_json": [
+        (
+            '{"name": "get_weather", "parameters": {"city": "Rome"}} and text',
+            ("", "} and text", [("get_weather", '{"city": "Rome"}')]),
+        )
+    ],
+    "mistral": [
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro',
+            ("", "", [("get_weather", '{"city": "Ro')]),
+        )
+    ],
+    "hermes": [
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": 1.2.3}}</tool_call>',
+            ("", "}}</tool_call>", [("get_weather", '{"city": 1.2.3')]),
+        )
+    ],
+}
+"""Broken after the call went out, streamed one character at a time: what was sent stays."""
+
+
+@pytest.mark.parametrize("name", sorted(SENT_THEN_BROKEN))
+def test_a_call_broken_after_it_went_out_keeps_it_and_the_rest_is_content(name: str) -> None:
+    for text, streamed in SENT_THEN_BROKEN[name]:
+        assert read_whole(PARSERS[name](NAMES), text) == ("", text, [])
+        assert read(PARSERS[name](NAMES), list(text)) == streamed
 
 
 def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
@@ -141,13 +219,10 @@ def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
         '{"city": "Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
     )
-    assert read(DeepSeekParser(NAMES), list("Sure." + v31)) == (
-        "",
-        "Sure.",
-        [("get_weather", {"city": "Rome"})],
-    )
+    rome = ("get_weather", '{"city": "Rome"}')
+    assert read(DeepSeekParser(NAMES), list("Sure." + v31)) == ("", "Sure.", [rome])
     v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_weather[ARGS]{}'
-    calls = [("get_weather", {"city": "Rome"}), ("get_weather", {})]
+    calls = [rome, ("get_weather", "{}")]
     assert read(MistralParser(NAMES), list(v11)) == ("", "", calls)
     llama = (
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '

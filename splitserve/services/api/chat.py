@@ -109,7 +109,7 @@ class ChatRun:
     def ending(self, choice: sv.Choice) -> Ending:
         """A whole single choice's ending, its output as blocks (Responses, Messages)."""
         reader, blocks = self.reader(), Blocks()
-        blocks.feed(reader.feed(choice.text) + reader.finish())
+        blocks.feed(reader.read(choice.text))
         blocks.close()
         reason = reader.finish_reason(choice.finish_reason)
         tokens = len(choice.token_ids)

@@ -80,10 +80,15 @@ class ChoiceReader:
             events += [part] if isinstance(part, Reasoning) else self.tools.feed(part)
         return events
 
+    def read(self, text: str) -> list[OutputEvent]:
+        """A whole output's events, not streamed: calls are reported only once complete."""
+        self.tools.hold = True
+        return self.feed(text) + self.finish()
+
     def whole(self, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """A whole choice's (reasoning, content, tool_calls): reasoning None without a
         reasoning reader, content None when there are calls and no other text."""
-        events = self.feed(text) + self.finish()
+        events = self.read(text)
         thought = "".join(e.text for e in events if isinstance(e, Reasoning))
         content, calls = merge([e for e in events if not isinstance(e, Reasoning)])
         return (thought if self.thinking else None), content, calls
