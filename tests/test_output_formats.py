@@ -3,17 +3,21 @@ SmolLM2 held by a regex to write each format, its tokens detokenized as a worker
 them; every output read whole and token by token must give the same reasoning, content and
 calls, and token by token each call must go out as it is written: its name as soon as its
 arguments begin, then each token's part of the arguments. Malformed output is content, as
-written.
+written. Mistral's ``[TOOL_CALLS]`` as a special token is written by a tiny model, and kept.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
+import torch
 
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.llm import LLM
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.server_config import ServerConfig
 from splitserve.services.api.output import Blocks, ChoiceReader, OutputFormat
@@ -27,6 +31,7 @@ from splitserve.services.api.tool_formats import (
     detect,
 )
 from splitserve.services.api.tools import ToolDefinition, plan
+from tests.support.tiny_models import tiny_model
 
 CITY = '\\{"city": "(Paris|Rome)"\\}'
 FORMATS = {
@@ -43,16 +48,20 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMES = frozenset({"get_weather"})
 
 
-def model_output(llm: LLM, regex: str, max_tokens: int = 160) -> list[str]:
-    """The greedy output under ``regex``, as the text deltas a worker sends (one a token)."""
+def model_output(
+    llm: LLM, regex: str, max_tokens: int = 160, kept: tuple[int, ...] = ()
+) -> list[str]:
+    """The greedy output under ``regex``, as the text deltas a worker sends (one a token);
+    kept: special tokens kept in the text."""
     spec = StructuredOutputsParams(regex=regex)
     params = SamplingParams(
         temperature=0.0,
         max_tokens=max_tokens,
         structured_outputs=spec,
+        kept_special_token_ids=list(kept),
     )
     [output] = llm.chat(ASK, params, use_tqdm=False)
-    detok = IncrementalDetokenizer(llm.engine.tokenizer, [], [])
+    detok = IncrementalDetokenizer(llm.engine.tokenizer, [], [], kept=frozenset(kept))
     deltas = []
     for token in output.outputs[0].token_ids:
         before = len(detok.text)
@@ -230,6 +239,53 @@ def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
     )
     assert read(Llama3JsonParser(NAMES), list(llama)) == ("", "", calls)
     assert read(Llama3JsonParser(NAMES), list("It is {sunny}.")) == ("", "It is {sunny}.", [])
+
+
+@pytest.fixture(scope="module")
+def mistral_marked(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """A tiny Mistral whose tokenizer (SmolLM2's) has ``[TOOL_CALLS]`` as a special token, as
+    Mistral's Hugging Face tokenizers have, and that writes it wherever a regex allows it:
+    dimension 0 of its residual stream is a constant (1 in every embedding, written by no
+    layer), which only that token's output row reads, strongly."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [MistralParser.open]})
+    path = tmp_path_factory.mktemp("mistral_marked")
+    model, _ = tiny_model(tokenizer, path, "mistral")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids(MistralParser.open), 0] = 100.0
+    model.save_pretrained(path, safe_serialization=True)
+    config = EngineConfig(model=str(path), max_model_len=256, num_kv_blocks=64)
+    return LLM.from_engine(LLMEngine(config, tokenizer=tokenizer))
+
+
+def test_a_special_tool_mark_is_kept_for_the_parser_streamed_and_not(
+    mistral_marked: LLM,
+) -> None:
+    tokenizer = mistral_marked.engine.tokenizer
+    mark = tokenizer.convert_tokens_to_ids(MistralParser.open)
+    output = OutputFormat.of(ServerConfig(), tokenizer)
+    assert (output.tool_format, output.tool_marks) == ("hermes", ())  # SmolLM2's template
+    output = OutputFormat.of(ServerConfig(tool_call_parser="mistral"), tokenizer)
+    assert output.tool_marks == (mark,)
+    tools = plan([ToolDefinition.model_validate(WEATHER_TOOL)], None)
+    assert output.kept_tokens(tools, None) == [mark]
+    assert (
+        output.kept_tokens(plan([ToolDefinition.model_validate(WEATHER_TOOL)], "none"), None) == []
+    )
+    deltas = model_output(mistral_marked, FORMATS["mistral"], kept=(mark,))
+    text = "".join(deltas)
+    assert text.startswith(MistralParser.open) and deltas[0] == MistralParser.open
+    arguments = text[text.index('{"city"') : -2]
+    expected = ("", "", [("get_weather", arguments)])
+    assert read_whole(MistralParser(NAMES), text) == read(MistralParser(NAMES), deltas) == expected
+    dropped = "".join(model_output(mistral_marked, FORMATS["mistral"]))
+    assert dropped == text.removeprefix(MistralParser.open)
+    assert read(MistralParser(NAMES), [dropped]) == ("", dropped, [])
 
 
 def test_the_format_follows_the_chat_template_unless_configured() -> None:
