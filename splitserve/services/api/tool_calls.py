@@ -2,8 +2,9 @@
 
 Each choice of a chat request gets an ``OutputParser``: fed the text deltas in order, it
 returns what the client is sent, content text or ``ToolCallDelta``s (a call's id and name
-first, then its arguments). The non-streamed message is the same events merged, so a
-streamed answer and a full one never differ.
+first, then its arguments). The non-streamed message is the same events merged (read with
+``hold``), so a streamed answer and a full one do not differ, but for an auto call that
+breaks after it was streamed (marked_calls.py).
 
 - ``OutputParser``: no tools (or tool_choice none): the text is the content.
 - ``NamedParser``: a named function: the whole output is its arguments (held to its schema).
