@@ -287,9 +287,6 @@ def test_a_special_tool_mark_is_kept_for_the_parser_streamed_and_not(
     arguments = text[text.index('{"city"') : -2]
     expected = ("", "", [("get_weather", arguments)])
     assert read_whole(MistralParser(NAMES), text) == read(MistralParser(NAMES), deltas) == expected
-    dropped = "".join(model_output(mistral_marked, FORMATS["mistral"]))
-    assert dropped == text.removeprefix(MistralParser.open)
-    assert read(MistralParser(NAMES), [dropped]) == ("", dropped, [])
 
 
 def test_the_format_follows_the_chat_template_unless_configured() -> None:
