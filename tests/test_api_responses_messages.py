@@ -273,6 +273,74 @@ def test_messages_tool_round_trip_equals_chat(
         assert stream.get_final_message().stop_reason == "max_tokens"
 
 
+CALL = (
+    '<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "(Paris|Rome)"\\}\\}</tool_call>'
+)
+"""SmolLM2 held to a Hermes call (its template names no format: Hermes is read) with
+tool_choice auto: the parser, not a grammar of the tools, finds the call."""
+
+
+def test_auto_tool_calls_stream_as_written_in_every_api(
+    oai: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    held = {"structured_outputs": {"regex": CALL}}
+    function = {"name": "get_weather", "parameters": WEATHER}
+    tools: Any = [{"type": "function", "function": function}]
+    whole = chat(oai, ANSWER, max_tokens=60, tools=tools, extra_body=held).choices[0]
+    [call] = whole.message.tool_calls
+    arguments = call.function.arguments
+    assert (call.function.name, arguments, whole.finish_reason) == (
+        "get_weather",
+        '{"city": "Paris"}',
+        "tool_calls",
+    )
+    chunks = chat(oai, ANSWER, max_tokens=60, tools=tools, stream=True, extra_body=held)
+    first, *rest = [
+        part for c in chunks if c.choices for part in c.choices[0].delta.tool_calls or []
+    ]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        "get_weather",
+        "",
+    )
+    assert first.id.startswith("call_") and all((p.index, p.id) == (0, None) for p in rest)
+    fragments = [p.function.arguments for p in rest]
+    assert "".join(fragments) == arguments and len(fragments) >= 5
+    response = oai.responses.create(
+        model=MODEL,
+        input=ASK,
+        tools=[{"type": "function", **function}],  # type: ignore[list-item]
+        max_output_tokens=60,
+        stream=True,
+        extra_body=held,
+        **GREEDY,
+    )
+    events = list(response)
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert (added.item.type, added.item.name) == ("function_call", "get_weather")
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert deltas == fragments and events[-1].response.output[0].arguments == arguments
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=60,
+        messages=ANSWER,  # type: ignore[arg-type]
+        tools=[{"name": "get_weather", "input_schema": WEATHER}],
+        extra_body={**held, **GREEDY},
+    ) as stream:
+        sent = list(stream)
+        final = stream.get_final_message()
+    partial = [
+        e.delta.partial_json
+        for e in sent
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert partial == fragments and final.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in final.content] == [
+        ("tool_use", "get_weather", {"city": "Paris"})
+    ]
+
+
 def test_messages_stop_sequence_is_reported(
     claude: anthropic.Anthropic, oai: openai.OpenAI
 ) -> None:

@@ -1,17 +1,23 @@
 """Reasoning and the tool-call formats beside Hermes (issue 46), read from real model output:
 SmolLM2 held by a regex to write each format, its tokens detokenized as a worker streams
 them; every output read whole and token by token must give the same reasoning, content and
-calls. Malformed output is content, as written."""
+calls, and token by token each call must go out as it is written: its name as soon as its
+arguments begin, then each token's part of the arguments. Malformed output is content, as
+written. Mistral's ``[TOOL_CALLS]`` as a special token is written by a tiny model, and kept.
+"""
 
 from __future__ import annotations
 
-import json
+import copy
 from typing import Any
 
 import pytest
+import torch
 
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.llm import LLM
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.server_config import ServerConfig
 from splitserve.services.api.output import Blocks, ChoiceReader, OutputFormat
@@ -25,6 +31,7 @@ from splitserve.services.api.tool_formats import (
     detect,
 )
 from splitserve.services.api.tools import ToolDefinition, plan
+from tests.support.tiny_models import tiny_model
 
 CITY = '\\{"city": "(Paris|Rome)"\\}'
 FORMATS = {
@@ -41,12 +48,20 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMES = frozenset({"get_weather"})
 
 
-def model_output(llm: LLM, regex: str, max_tokens: int = 160) -> list[str]:
-    """The greedy output under ``regex``, as the text deltas a worker sends (one a token)."""
+def model_output(
+    llm: LLM, regex: str, max_tokens: int = 160, kept: tuple[int, ...] = ()
+) -> list[str]:
+    """The greedy output under ``regex``, as the text deltas a worker sends (one a token);
+    kept: special tokens kept in the text."""
     spec = StructuredOutputsParams(regex=regex)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=spec)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        structured_outputs=spec,
+        kept_special_token_ids=list(kept),
+    )
     [output] = llm.chat(ASK, params, use_tqdm=False)
-    detok = IncrementalDetokenizer(llm.engine.tokenizer, [], [])
+    detok = IncrementalDetokenizer(llm.engine.tokenizer, [], [], kept=frozenset(kept))
     deltas = []
     for token in output.outputs[0].token_ids:
         before = len(detok.text)
@@ -58,12 +73,24 @@ def model_output(llm: LLM, regex: str, max_tokens: int = 160) -> list[str]:
     return deltas
 
 
-def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> tuple[str, str, list[Any]]:
-    """(reasoning, content, [(name, arguments)]) put together from the events."""
+Read = tuple[str, str, list[tuple[str | None, str]]]
+"""(reasoning, content, [(name, arguments as written)])."""
+
+
+def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> Read:
+    """What a client streamed ``deltas`` puts together."""
     events: list[Any] = []
     for delta in deltas:
         events += reader.feed(delta)
-    events += reader.finish()
+    return merged(events + reader.finish())
+
+
+def read_whole(reader: ChoiceReader | OutputParser, text: str) -> Read:
+    """The non-streamed answer."""
+    return merged(reader.read(text) if isinstance(reader, ChoiceReader) else reader.whole(text))
+
+
+def merged(events: list[Any]) -> Read:
     thought = "".join(e.text for e in events if isinstance(e, Reasoning))
     content = "".join(e for e in events if isinstance(e, str))
     calls: list[list[Any]] = []
@@ -72,7 +99,14 @@ def read(reader: ChoiceReader | OutputParser, deltas: list[str]) -> tuple[str, s
             if e.id is not None:
                 calls.append([e.name, ""])
             calls[e.index][1] += e.arguments
-    return thought, content, [(name, json.loads(arguments)) for name, arguments in calls]
+    return thought, content, [(name, arguments) for name, arguments in calls]
+
+
+ARGUMENTS = '{"city": "Paris"}'
+
+
+def _args(event: Any) -> Any:
+    return (event.index, event.arguments, event.id) if isinstance(event, ToolCallDelta) else event
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -80,10 +114,26 @@ def test_each_format_from_model_output_read_whole_and_token_by_token(
     smollm2_llm: LLM, name: str
 ) -> None:
     deltas = model_output(smollm2_llm, FORMATS[name])
-    whole = read(PARSERS[name](NAMES), ["".join(deltas)])
-    assert whole == ("", "", [("get_weather", {"city": "Paris"})])
+    text = "".join(deltas)
+    whole = read_whole(PARSERS[name](NAMES), text)
+    assert whole == ("", "", [("get_weather", ARGUMENTS)])
     assert read(PARSERS[name](NAMES), deltas) == whole
-    assert read(PARSERS[name](NAMES), list("".join(deltas))) == whole
+    assert read(PARSERS[name](NAMES), list(text)) == whole
+    start = text.index(ARGUMENTS)
+    parser, expected, at = PARSERS[name](NAMES), [], 0
+    for delta in deltas:  # each token's share of the arguments, sent with that token
+        low, high = max(at, start), min(at + len(delta), start + len(ARGUMENTS))
+        expected.append([text[low:high]] if low < high else [])
+        at += len(delta)
+    header = next(i for i, share in enumerate(expected) if share)
+    sent = [parser.feed(delta) for delta in deltas]
+    assert parser.finish() == [] and len(expected) - expected.count([]) >= 5
+    call = sent[header].pop(0)
+    assert isinstance(call, ToolCallDelta) and call.id is not None
+    assert (call.index, call.name, call.arguments) == (0, "get_weather", "")
+    assert [[_args(e) for e in events] for events in sent] == [
+        [(0, share, None) for share in shares] for shares in expected
+    ]
 
 
 def test_reasoning_from_model_output_then_a_call(smollm2_llm: LLM) -> None:
@@ -93,7 +143,7 @@ def test_reasoning_from_model_output_then_a_call(smollm2_llm: LLM) -> None:
     thought = text[len("<think>") : text.index("</think>")]
     tools = plan([ToolDefinition.model_validate(WEATHER_TOOL)], None)
     reader = OutputFormat("hermes", True).reader(tools, "<|im_start|>assistant\n", None)
-    assert read(reader, deltas) == (thought, "", [("get_weather", {"city": "Paris"})])
+    assert read(reader, deltas) == (thought, "", [("get_weather", ARGUMENTS)])
     assert reader.finish_reason("stop") == "tool_calls"
 
 
@@ -119,21 +169,62 @@ def test_text_that_only_looks_like_a_block_is_content() -> None:
 
 MALFORMED = {
     "deepseek_v3": [
-        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{bad}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\nbad\n```<｜tool▁call▁end｜>",
         "<｜tool▁call▁begin｜>other<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
-        "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}",
     ],
     "llama3_json": ['{"name": "get_weather", "parameters": [1]}', '{"name": 1}', "{not json"],
     "mistral": ["[TOOL_CALLS][{}]", "[TOOL_CALLS]get_weather{}", "[TOOL_CALLS][1"],
     "hermes": ["<tool_call>[]</tool_call>", '<tool_call>{"name": "x"}</tool_call>'],
 }
+"""Broken before a call could be sent: content as written, streamed or not."""
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_calls_are_content_as_written(name: str) -> None:
     for text in MALFORMED[name]:
+        assert read_whole(PARSERS[name](NAMES), text) == ("", text, [])
         for deltas in ([text], list(text)):
             assert read(PARSERS[name](NAMES), deltas) == ("", text, [])
+
+
+SENT_THEN_BROKEN = {
+    "deepseek_v3": [
+        (
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{bad}\n```<｜tool▁call▁end｜>",
+            ("", "bad}\n```<｜tool▁call▁end｜>", [("get_weather", "{")]),
+        ),
+        (
+            "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}",
+            ("", "", [("get_weather", "{}")]),
+        ),
+    ],
+    "llama3_json": [
+        (
+            '{"name": "get_weather", "parameters": {"city": "Rome"}} and text',
+            ("", "} and text", [("get_weather", '{"city": "Rome"}')]),
+        )
+    ],
+    "mistral": [
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro',
+            ("", "", [("get_weather", '{"city": "Ro')]),
+        )
+    ],
+    "hermes": [
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": 1.2.3}}</tool_call>',
+            ("", "}}</tool_call>", [("get_weather", '{"city": 1.2.3')]),
+        )
+    ],
+}
+"""Broken after the call went out, streamed one character at a time: what was sent stays."""
+
+
+@pytest.mark.parametrize("name", sorted(SENT_THEN_BROKEN))
+def test_a_call_broken_after_it_went_out_keeps_it_and_the_rest_is_content(name: str) -> None:
+    for text, streamed in SENT_THEN_BROKEN[name]:
+        assert read_whole(PARSERS[name](NAMES), text) == ("", text, [])
+        assert read(PARSERS[name](NAMES), list(text)) == streamed
 
 
 def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
@@ -141,13 +232,10 @@ def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
         '{"city": "Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
     )
-    assert read(DeepSeekParser(NAMES), list("Sure." + v31)) == (
-        "",
-        "Sure.",
-        [("get_weather", {"city": "Rome"})],
-    )
+    rome = ("get_weather", '{"city": "Rome"}')
+    assert read(DeepSeekParser(NAMES), list("Sure." + v31)) == ("", "Sure.", [rome])
     v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_weather[ARGS]{}'
-    calls = [("get_weather", {"city": "Rome"}), ("get_weather", {})]
+    calls = [rome, ("get_weather", "{}")]
     assert read(MistralParser(NAMES), list(v11)) == ("", "", calls)
     llama = (
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
@@ -155,6 +243,50 @@ def test_deepseek_v31_mistral_v11_and_llama_lists_are_read() -> None:
     )
     assert read(Llama3JsonParser(NAMES), list(llama)) == ("", "", calls)
     assert read(Llama3JsonParser(NAMES), list("It is {sunny}.")) == ("", "It is {sunny}.", [])
+
+
+@pytest.fixture(scope="module")
+def mistral_marked(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """A tiny Mistral whose tokenizer (SmolLM2's) has ``[TOOL_CALLS]`` as a special token, as
+    Mistral's Hugging Face tokenizers have, and that writes it wherever a regex allows it:
+    dimension 0 of its residual stream is a constant (1 in every embedding, written by no
+    layer), which only that token's output row reads, strongly."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [MistralParser.open]})
+    path = tmp_path_factory.mktemp("mistral_marked")
+    model, _ = tiny_model(tokenizer, path, "mistral")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids(MistralParser.open), 0] = 100.0
+    model.save_pretrained(path, safe_serialization=True)
+    config = EngineConfig(model=str(path), max_model_len=256, num_kv_blocks=64)
+    return LLM.from_engine(LLMEngine(config, tokenizer=tokenizer))
+
+
+def test_a_special_tool_mark_is_kept_for_the_parser_streamed_and_not(
+    mistral_marked: LLM,
+) -> None:
+    tokenizer = mistral_marked.engine.tokenizer
+    mark = tokenizer.convert_tokens_to_ids(MistralParser.open)
+    output = OutputFormat.of(ServerConfig(), tokenizer)
+    assert (output.tool_format, output.tool_marks) == ("hermes", ())  # SmolLM2's template
+    output = OutputFormat.of(ServerConfig(tool_call_parser="mistral"), tokenizer)
+    assert output.tool_marks == (mark,)
+    tools = plan([ToolDefinition.model_validate(WEATHER_TOOL)], None)
+    assert output.kept_tokens(tools, None) == [mark]
+    assert (
+        output.kept_tokens(plan([ToolDefinition.model_validate(WEATHER_TOOL)], "none"), None) == []
+    )
+    deltas = model_output(mistral_marked, FORMATS["mistral"], kept=(mark,))
+    text = "".join(deltas)
+    assert text.startswith(MistralParser.open) and deltas[0] == MistralParser.open
+    arguments = text[text.index('{"city"') : -2]
+    expected = ("", "", [("get_weather", arguments)])
+    assert read_whole(MistralParser(NAMES), text) == read(MistralParser(NAMES), deltas) == expected
 
 
 def test_the_format_follows_the_chat_template_unless_configured() -> None:

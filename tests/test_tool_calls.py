@@ -13,7 +13,6 @@ import pytest
 from splitserve.services.api.errors import APIError
 from splitserve.services.api.tool_calls import (
     Event,
-    HermesParser,
     ListParser,
     NamedParser,
     OutputParser,
@@ -21,6 +20,7 @@ from splitserve.services.api.tool_calls import (
     message,
     stream_delta,
 )
+from splitserve.services.api.tool_formats import HermesParser
 from splitserve.services.api.tools import ToolDefinition, calls_schema, plan
 
 NAMES = frozenset({"f", "g"})
@@ -123,16 +123,6 @@ def test_required_list_truncated_keeps_the_arguments_so_far() -> None:
             '<tool_call>{"name": ["f"], "arguments": {}}</tool_call>',
             ('<tool_call>{"name": ["f"], "arguments": {}}</tool_call>', []),
         ),
-        (
-            hermes,
-            '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>',
-            ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>', []),
-        ),
-        (
-            hermes,
-            '<tool_call>{"name": "f", "arguments": {"\\udfff": 1}}</tool_call>',
-            ('<tool_call>{"name": "f", "arguments": {"\\udfff": 1}}</tool_call>', []),
-        ),
         (OutputParser, "<tool_call>{}</tool_call>", ("<tool_call>{}</tool_call>", [])),
     ],
     ids=[
@@ -147,8 +137,6 @@ def test_required_list_truncated_keeps_the_arguments_so_far() -> None:
         "hermes_no_calls",
         "hermes_tool_not_offered",
         "hermes_name_not_a_string",
-        "hermes_surrogate_in_a_value",
-        "hermes_surrogate_in_a_key",
         "no_tools",
     ],
 )
@@ -160,6 +148,41 @@ def test_streamed_one_character_at_a_time_equals_the_whole_text(
     content, calls = whole
     decoded = [(n, a if isinstance(a, str) and not a else json.loads(a)) for n, a in calls]
     assert (content, decoded) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "streamed"),
+    [
+        (
+            'x <tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>',
+            ('x"}}</tool_call>', [("f", '{"a": "\\ud800')]),
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": {"\\udfff": 1}}</tool_call>',
+            ('f": 1}}</tool_call>', [("f", '{"\\udff')]),
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": {"a": [1, 2}}</tool_call>',
+            ("}}</tool_call>", [("f", '{"a": [1, 2')]),
+        ),
+        (
+            '<tool_call>{"name": "g", "arguments": {"a": "cut short',
+            (None, [("g", '{"a": "cut short')]),
+        ),
+    ],
+    ids=["surrogate_in_a_value", "surrogate_in_a_key", "bad_json", "unfinished"],
+)
+def test_a_call_that_breaks_after_it_was_streamed_keeps_what_was_sent(
+    text: str, streamed: Any
+) -> None:
+    """Streamed, a call goes out once its name and the start of its arguments are read; a
+    break after that (a lone surrogate, JSON that does not parse, the output ending) cannot
+    take it back: the call keeps the arguments sent, the rest is content and the finish
+    reason is not tool_calls. Read whole, the block is content as written."""
+    assert merged(hermes(), text) == (text, [])
+    parser = hermes()
+    assert per_character(parser, text) == streamed
+    assert parser.finish_reason("stop") == "stop"
 
 
 def test_finish_reason_is_tool_calls_only_for_calls_that_completed() -> None:

@@ -24,9 +24,12 @@ class IncrementalDetokenizer:
         stop: list[str],
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        kept: frozenset[int] = frozenset(),
     ) -> None:
+        """kept: special tokens written although skip_special_tokens drops the others."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.kept = kept if skip_special_tokens else frozenset()
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -47,6 +50,7 @@ class IncrementalDetokenizer:
             params.stop,
             params.skip_special_tokens,
             params.include_stop_str_in_output,
+            frozenset(params.kept_special_token_ids),
         )
         if req.num_resumed:
             detok.replay(prompt[original:], req.resumed_chars)
@@ -88,7 +92,17 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _decode(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens))
+        if not self.kept or self.kept.isdisjoint(tokens):
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens))
+        text, run = "", list[int]()
+        for token in tokens:  # the runs between kept tokens decoded as before, each kept one
+            if token in self.kept:
+                text += str(self.tokenizer.decode(run, skip_special_tokens=True))
+                text += str(self.tokenizer.decode([token], skip_special_tokens=False))
+                run = []
+            else:
+                run.append(token)
+        return text + str(self.tokenizer.decode(run, skip_special_tokens=True))
 
     def _cut_at_stop(self, new_text_start: int) -> str | None:
         search_from = max(0, new_text_start - self.holdback)

@@ -54,6 +54,9 @@ class SamplingParams:
 
     top_k <= 0 disables top-k; max_tokens=None means "until the context is full";
     logprobs=N returns the sampled token's logprob plus the top N (0 = sampled token only).
+    kept_special_token_ids: special tokens written into the text although
+    skip_special_tokens drops the others (the marks an output format is read by, such as
+    Mistral's ``[TOOL_CALLS]``: services/api/output.py).
     """
 
     n: int = 1
@@ -72,6 +75,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    kept_special_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -80,6 +84,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
         self.stop_token_ids = list(self.stop_token_ids)
+        self.kept_special_token_ids = list(self.kept_special_token_ids)
         _check(self.n >= 1, "n must be at least 1")
         _check(0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")

@@ -109,7 +109,7 @@ class ChatRun:
     def ending(self, choice: sv.Choice) -> Ending:
         """A whole single choice's ending, its output as blocks (Responses, Messages)."""
         reader, blocks = self.reader(), Blocks()
-        blocks.feed(reader.feed(choice.text) + reader.finish())
+        blocks.feed(reader.read(choice.text))
         blocks.close()
         reason = reader.finish_reason(choice.finish_reason)
         tokens = len(choice.token_ids)
@@ -151,6 +151,7 @@ async def start(state: sv.ServerState, request: Request, body: ChatCompletionReq
     spec = await constraint(state, body, tools)
     prompt, tail, prompt_images = await rendered(state, body)
     params = sv.sampling_params(state, body, body.token_limit, len(prompt), body.num_logprobs, spec)
+    params.kept_special_token_ids = state.output.kept_tokens(tools, body.thinking_asked)
     traffic = sv.traffic_class(state, request)
     group = await sv.submit(state, request, [prompt], [params], body.n, traffic, prompt_images)
     return ChatRun(group, prompt, tools, tail, state.output, body.thinking_asked)

@@ -13,6 +13,8 @@ from typing import Any
 
 from splitserve.server_config import ServerConfig
 from splitserve.services.api.reasoning import (
+    CLOSE,
+    OPEN,
     Reasoning,
     ThinkSplitter,
     opened_in_prompt,
@@ -27,19 +29,27 @@ OutputEvent = Reasoning | str | ToolCallDelta
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """tool_format: a key of tool_formats.PARSERS; reasoning: ``<think>`` blocks are read."""
+    """tool_format: a key of tool_formats.PARSERS; reasoning: ``<think>`` blocks are read;
+    tool_marks, think_marks: the ids of the format's marks that the tokenizer holds as special
+    tokens, which the detokenizer would drop (Mistral's ``[TOOL_CALLS]``): a request whose
+    output is read by them keeps them in its text (``kept_tokens``)."""
 
     tool_format: str = "hermes"
     reasoning: bool = False
+    tool_marks: tuple[int, ...] = ()
+    think_marks: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, server: ServerConfig, tokenizer: Any) -> OutputFormat:
         template = getattr(tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else None
         name = server.tool_call_parser
+        tool_format = detect(template) if name == "auto" else name
         return cls(
-            detect(template) if name == "auto" else name,
+            tool_format,
             reads_reasoning(server.reasoning_parser, template),
+            special_marks(tokenizer, PARSERS[tool_format].marks),
+            special_marks(tokenizer, (OPEN, CLOSE)),
         )
 
     def reader(
@@ -51,10 +61,37 @@ class OutputFormat:
         output) has no reasoning."""
         parser = tools.parser(PARSERS[self.tool_format])
         thinking = None
-        reads = self.reasoning if thinking_asked is None else thinking_asked
-        if reads and not tools.forced:
+        if self._thinks(tools, thinking_asked):
             thinking = ThinkSplitter(opened_in_prompt(prompt_tail))
         return ChoiceReader(parser, thinking)
+
+    def kept_tokens(self, tools: ToolPlan, thinking_asked: bool | None) -> list[int]:
+        """The special tokens that the request's reader reads, to keep in its output."""
+        kept = list(self.tool_marks) if tools.mode == "auto" else []
+        return kept + (list(self.think_marks) if self._thinks(tools, thinking_asked) else [])
+
+    def _thinks(self, tools: ToolPlan, thinking_asked: bool | None) -> bool:
+        reads = self.reasoning if thinking_asked is None else thinking_asked
+        return reads and not tools.forced
+
+
+def special_marks(tokenizer: Any, marks: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of the marks that are each one special token of the tokenizer, one that
+    decoding with skip_special_tokens drops (a tokenizer without a vocabulary of named
+    tokens, such as a random shape's, has none)."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return ()
+    ids = []
+    for mark in marks:
+        token = convert(mark)
+        if (
+            isinstance(token, int)
+            and tokenizer.decode([token], skip_special_tokens=False) == mark
+            and not tokenizer.decode([token], skip_special_tokens=True)
+        ):
+            ids.append(token)
+    return tuple(ids)
 
 
 class ChoiceReader:
@@ -80,10 +117,15 @@ class ChoiceReader:
             events += [part] if isinstance(part, Reasoning) else self.tools.feed(part)
         return events
 
+    def read(self, text: str) -> list[OutputEvent]:
+        """A whole output's events, not streamed: calls are reported only once complete."""
+        self.tools.hold = True
+        return self.feed(text) + self.finish()
+
     def whole(self, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """A whole choice's (reasoning, content, tool_calls): reasoning None without a
         reasoning reader, content None when there are calls and no other text."""
-        events = self.feed(text) + self.finish()
+        events = self.read(text)
         thought = "".join(e.text for e in events if isinstance(e, Reasoning))
         content, calls = merge([e for e in events if not isinstance(e, Reasoning)])
         return (thought if self.thinking else None), content, calls

@@ -2,16 +2,16 @@
 
 Each choice of a chat request gets an ``OutputParser``: fed the text deltas in order, it
 returns what the client is sent, content text or ``ToolCallDelta``s (a call's id and name
-first, then its arguments). The non-streamed message is the same events merged, so a
-streamed answer and a full one never differ.
+first, then its arguments). The non-streamed message is the same events merged (read with
+``hold``), so a streamed answer and a full one do not differ, but for an auto call that
+breaks after it was streamed (marked_calls.py).
 
 - ``OutputParser``: no tools (or tool_choice none): the text is the content.
 - ``NamedParser``: a named function: the whole output is its arguments (held to its schema).
 - ``ListParser``: tool_choice required: the output is ``[{"name": ..., "arguments": {...}},
   ...]`` (held to the tools by the grammar); each call streams as it is written.
-- ``MarkedParser``: tool_choice auto: calls between marks, the text outside them content;
-  ``HermesParser`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) here, the
-  other formats (DeepSeek, Llama 3 JSON, Mistral) in tool_formats.py.
+- ``MarkedParser`` (marked_calls.py): tool_choice auto: calls in regions that open with a
+  mark, the text outside them content, in the model's format (tool_formats.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
-
-from splitserve.services.api.json_body import surrogate_free
 
 
 @dataclass
@@ -47,12 +45,19 @@ class OutputParser:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.hold = False  # the output is read whole, not streamed (marked_calls.py)
 
     def feed(self, text: str) -> list[Event]:
         return [text] if text else []
 
     def finish(self) -> list[Event]:
         return []
+
+    def whole(self, text: str) -> list[Event]:
+        """A whole output's events (not streamed): a parser that streams calls before they
+        are complete (marked_calls.py) reports them only once they are."""
+        self.hold = True
+        return self.feed(text) + self.finish()
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's ``tool_calls`` for an output that ended with its calls complete."""
@@ -163,99 +168,6 @@ class ListParser(OutputParser):
             self.args_sent = end
 
 
-class MarkedParser(OutputParser):
-    """tool_choice auto: calls written between an ``open`` and a ``close`` mark (``close``
-    None: the calls run to the end of the output), the text outside them content. A region
-    that ``calls_in`` does not read as calls of offered tools, with object arguments, valid
-    Unicode throughout, is content as written (never an error); so is an unclosed region. Text
-    that may be the start of ``open`` is held back until it is known, and trailing whitespace
-    until more content follows: it is dropped when the output has calls. Calls are reported
-    as each region closes. ``dropped``: marks around the calls that are never content.
-
-    names: the offered tools' names."""
-
-    open = ""
-    close: str | None = None
-    dropped: tuple[str, ...] = ()
-
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__()
-        self.names = names
-        self.buffer = ""
-        self.inside = False
-        self.pending = ""
-
-    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
-        """The (name, arguments) pairs a region holds, None when it holds none."""
-        raise NotImplementedError
-
-    def feed(self, text: str) -> list[Event]:
-        self.buffer += text
-        for mark in self.dropped:
-            self.buffer = self.buffer.replace(mark, "")
-        events: list[Event] = []
-        while True:
-            mark = (self.close if self.inside else self.open) or ""
-            at = self.buffer.find(mark) if mark else -1
-            if at < 0:
-                break
-            block, self.buffer = self.buffer[:at], self.buffer[at + len(mark) :]
-            events += self._region(block, True) if self.inside else self._content(block)
-            self.inside = not self.inside
-        if not self.inside:
-            keep = max(partial_suffix(self.buffer, m) for m in (self.open, *self.dropped))
-            events += self._content(self.buffer[: len(self.buffer) - keep])
-            self.buffer = self.buffer[len(self.buffer) - keep :]
-        return events
-
-    def finish(self) -> list[Event]:
-        if self.inside:
-            events = self._region(self.buffer, self.close is None)
-        else:
-            events = self._content(self.buffer)
-        self.buffer = ""
-        if self.pending and not self.calls:
-            events.append(self.pending)
-        return events
-
-    def _content(self, text: str) -> list[Event]:
-        text = self.pending + text
-        body = text.rstrip()
-        self.pending = text[len(body) :]
-        return [body] if body else []
-
-    def _region(self, block: str, closed: bool) -> list[Event]:
-        written = self.open + block + ((self.close or "") if closed else "")
-        try:
-            found = self.calls_in(block) if closed else None
-        except (ValueError, RecursionError):
-            found = None
-        if not found or not all(self._valid(name, arguments) for name, arguments in found):
-            return self._content(written)
-        self.pending = ""
-        return [self._header(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
-
-    def _valid(self, name: Any, arguments: Any) -> bool:
-        return (
-            isinstance(name, str)
-            and name in self.names
-            and isinstance(arguments, dict)
-            and surrogate_free(arguments)
-        )
-
-
-class HermesParser(MarkedParser):
-    """Hermes-style templates: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
-
-    open, close = "<tool_call>", "</tool_call>"
-
-    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
-        call = json.loads(region)
-        if not isinstance(call, dict):
-            return None
-        return [(call.get("name"), call.get("arguments", {}))]
-
-
 def partial_suffix(text: str, mark: str) -> int:
     """The length of the longest end of ``text`` that is a beginning of ``mark``."""
     for size in range(min(len(text), len(mark) - 1), 0, -1):
@@ -266,7 +178,7 @@ def partial_suffix(text: str, mark: str) -> int:
 
 def message(parser: OutputParser, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole choice's (content, tool_calls): its text through the parser, merged."""
-    return merge(parser.feed(text) + parser.finish())
+    return merge(parser.whole(text))
 
 
 def merge(events: list[Event]) -> tuple[str | None, list[dict[str, Any]]]:

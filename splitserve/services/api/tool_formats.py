@@ -1,6 +1,8 @@
-"""The tool-call formats of tool_choice auto beside Hermes (tool_calls.py), and which one a
-model writes: ``server.tool_call_parser``, or with ``auto`` the one its chat template renders.
+"""The tool-call formats of tool_choice auto, each a grammar of its regions (marked_calls.py),
+and which one a model writes: ``server.tool_call_parser``, or with ``auto`` the one its chat
+template renders.
 
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 - ``deepseek_v3``: DeepSeek V3 / R1 ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` and the
   arguments in a fenced json block, then ``<｜tool▁call▁end｜>``; V3.1's ``NAME<｜tool▁sep｜>{...}``
   too. The ``<｜tool▁calls▁begin｜>`` / ``<｜tool▁calls▁end｜>`` marks around them are dropped.
@@ -12,96 +14,130 @@ model writes: ``server.tool_call_parser``, or with ``auto`` the one its chat tem
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Any
+from splitserve.services.api.call_grammar import (
+    END,
+    Broken,
+    Reader,
+    literal,
+    space,
+    until,
+)
+from splitserve.services.api.marked_calls import MarkedParser
+from splitserve.services.api.tool_calls import Event
 
-from splitserve.services.api.tool_calls import Event, HermesParser, MarkedParser
+NAME_LIMIT = 64
+"""The longest a function name is (tools.FUNCTION_NAME)."""
 
-FENCED = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+class HermesParser(MarkedParser):
+    open, CLOSE = "<tool_call>", "</tool_call>"
+    marks = (open, CLOSE)
+
+    def grammar(self) -> Reader:
+        c = yield from space(None)
+        yield from self.call_object(c, ("arguments",))
+        c = yield from space(None)
+        return (yield from literal(c, self.CLOSE))
 
 
 class DeepSeekParser(MarkedParser):
-    open, close = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    open, CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     dropped = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
-    SEP = "<｜tool▁sep｜>"
+    SEP, FENCE = "<｜tool▁sep｜>", "```"
+    marks = (open, CLOSE, SEP, *dropped)
 
-    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
-        head, sep, tail = region.partition(self.SEP)
-        if not sep:
-            return None
-        if head.strip() == "function":  # V3 / R1: function<sep>NAME\n```json ... ```
-            name, _, fenced = tail.partition("\n")
-            match = FENCED.fullmatch(fenced)
-            if match is None:
-                return None
-            return [(name.strip(), json.loads(match.group(1)))]
-        return [(head.strip(), json.loads(tail))]  # V3.1: NAME<sep>{...}
+    def grammar(self) -> Reader:
+        head = yield from until(None, self.SEP, NAME_LIMIT)
+        if head.strip() == "function":  # V3 / R1: function<sep>NAME\n```json\n{...}\n```
+            call = self.call((yield from until(None, "\n", NAME_LIMIT)).strip())
+            c = yield from space(None)
+            yield from literal(c, self.FENCE)
+            c = yield
+            if c == "j":
+                yield from literal(c, "json")
+                c = yield
+            c = yield from space(c)
+            yield from self.arguments(call, c)
+            c = yield from space(None)
+            yield from literal(c, self.FENCE)
+        else:  # V3.1: NAME<sep>{...}
+            call = self.call(head.strip())
+            yield from self.arguments(call, (yield from space(None)))
+        c = yield from space(None)
+        return (yield from literal(c, self.CLOSE))
 
 
 class MistralParser(MarkedParser):
     open = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    marks = (open, ARGS)
 
-    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
-        found: list[tuple[Any, Any]] = []
-        for part in region.split(self.open):
-            if part.lstrip().startswith("["):
-                calls = json.loads(part)
-                if not isinstance(calls, list):
-                    return None
-                found += [_named(call, "arguments") for call in calls]
+    def grammar(self) -> Reader:
+        c = yield from space(None)
+        while True:
+            if c == "[":
+                yield from self._list()
             else:
-                name, sep, arguments = part.partition(self.ARGS)
-                if not sep:
-                    return None
-                found.append((name.strip(), json.loads(arguments)))
-        return found
+                call = self.call((yield from until(c, self.ARGS, NAME_LIMIT)).strip())
+                yield from self.arguments(call, (yield from space(None)))
+            c = yield from space(None)
+            if c == END:
+                return None
+            yield from literal(c, self.open)
+            c = yield from space(None)
+
+    def _list(self) -> Reader:
+        """``[{"name": ..., "arguments": {...}}, ...]`` from its ``[``, at least one call."""
+        c = yield from space(None)
+        while True:
+            yield from self.call_object(c, ("arguments",))
+            c = yield from space(None)
+            if c == "]":
+                return None
+            yield from literal(c, ",")
+            c = yield from space(None)
 
 
 class Llama3JsonParser(MarkedParser):
     """Calls only when the whole output is calls: the output is read as such once it starts
-    with ``{`` or ``<|python_tag|>`` (leading whitespace aside)."""
+    with ``{`` or ``<|python_tag|>`` (leading whitespace aside), as content otherwise."""
 
     TAG = "<|python_tag|>"
+    marks = (TAG,)
 
     def __init__(self, names: frozenset[str]) -> None:
         super().__init__(names)
         self.started = False
 
-    def feed(self, text: str) -> list[Event]:
+    def grammar(self) -> Reader:
+        c = yield from space(None)
+        while True:
+            yield from self.call_object(c, ("parameters", "arguments"))
+            c = yield from space(None)
+            if c == END:
+                return None
+            if c != ";":
+                raise Broken
+            c = yield from space(None)
+
+    def _outside(self, text: str, events: list[Event]) -> str:
         if self.started:
-            return super().feed(text)
+            events += self._content(text)
+            return ""
         self.buffer += text
         head = self.buffer.lstrip()
         if head.startswith((self.TAG, "{")):
-            self.started = self.inside = True
-            self.buffer = head.removeprefix(self.TAG)
-            return []
+            self.started = True
+            mark = self.buffer[: len(self.buffer) - len(head)]
+            mark += self.TAG if head.startswith(self.TAG) else ""
+            rest, self.buffer = self.buffer[len(mark) :], ""
+            self._open(mark)
+            return rest
         if head and not self.TAG.startswith(head):
             self.started = True
-            text, self.buffer = self.buffer, ""
-            return super().feed(text)
-        return []
-
-    def calls_in(self, region: str) -> list[tuple[Any, Any]] | None:
-        decoder = json.JSONDecoder()
-        found, at = [], 0
-        while at < len(region):
-            call, end = decoder.raw_decode(region, at)
-            key = "parameters" if isinstance(call, dict) and "parameters" in call else "arguments"
-            found.append(_named(call, key))
-            rest = region[end:].lstrip()
-            if rest and not rest.startswith(";"):
-                return None
-            at = len(region) - len(rest.removeprefix(";").lstrip())
-        return found
-
-
-def _named(call: Any, key: str) -> tuple[Any, Any]:
-    if not isinstance(call, dict):
-        return None, None
-    return call.get("name"), call.get(key, {})
+            events += self._content(self.buffer)
+            self.buffer = ""
+        return ""
 
 
 PARSERS: dict[str, type[MarkedParser]] = {

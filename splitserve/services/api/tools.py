@@ -15,13 +15,9 @@ from pydantic import BaseModel, Field, field_validator
 
 from splitserve.engine.sampling_params import StructuredOutputsParams
 from splitserve.services.api.errors import APIError
-from splitserve.services.api.tool_calls import (
-    HermesParser,
-    ListParser,
-    MarkedParser,
-    NamedParser,
-    OutputParser,
-)
+from splitserve.services.api.marked_calls import MarkedParser
+from splitserve.services.api.tool_calls import ListParser, NamedParser, OutputParser
+from splitserve.services.api.tool_formats import HermesParser
 
 MAX_TOOLS = 128
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
