@@ -12,6 +12,8 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.hybrid_blocks import HybridBlockManager
+from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from splitserve.engine.kv_groups import pool_sizes
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import Request
 from splitserve.engine.spec.config import SpeculativeConfig
@@ -168,3 +170,17 @@ def test_warm_up_and_dynamic_speculation_step_the_window_groups(
     plain = LLM.from_engine(engine(path, smollm2_tokenizer, max_num_seqs=2))
     expected = plain.generate([prompt], params, use_tqdm=False)
     assert tokens[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_a_request_that_fits_group_0_fits_a_window_pool_its_budget_capped() -> None:
+    """A tiny budget caps the window pool below what its requests could hold: group 0 gets no
+    more blocks than it, or a prompt admitted by group 0 could never run (a hang); with
+    num_kv_blocks, the window pools come from it, not from kv_cache_bytes."""
+    local = KVCacheGroup(KVCacheSpec(2, 6, 1, 32), (0, 1, 2, 3, 4, 6), WINDOW)
+    groups = [KVCacheGroup(KVCacheSpec(2, 1, 1, 32), (5,)), local]
+    block = 2 * 32 * 4 * BLOCK  # float32 bytes of one layer's block
+    budget = 7 * block * 4 + 5 * block  # 4 blocks of all 7 layers, 5 of one layer left over
+    assert pool_sizes(groups, budget, BLOCK, 4, 64, 64) == [4, 4]
+    assert pool_sizes(groups, 1 << 30, BLOCK, 4, 2, 64) == [524204, 14]  # 2 * 24 + 64 tokens
+    assert pool_sizes(groups, budget, BLOCK, 4, 2, 64, num_blocks=100) == [100, 14]
+    assert pool_sizes(groups, budget, BLOCK, 4, 64, 64, num_blocks=100) == [100, 100]
