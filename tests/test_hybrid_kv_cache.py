@@ -12,8 +12,12 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.hybrid_blocks import HybridBlockManager
+from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from splitserve.engine.kv_groups import pool_sizes
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import Request
+from splitserve.engine.spec.config import SpeculativeConfig
+from splitserve.engine.warm_up import warm_up
 from tests.support.handoff import disaggregated
 from tests.support.reference import assert_greedy_equal
 from tests.support.tiny_models import tiny_gemma3
@@ -147,3 +151,36 @@ def test_bounded_replay_computes_the_window_and_allowance_and_keeps_the_cached_k
     assert second.num_cached_tokens == 280  # 296 cached, less the window and allowance
     assert len(second.outputs[0].token_ids) == GREEDY.max_tokens
     assert torch.equal(cached.runner.gather_blocks(table), before)
+
+
+def test_warm_up_and_dynamic_speculation_step_the_window_groups(
+    tiny: tuple[Any, str], smollm2_tokenizer: Any, prompts: list[list[int]]
+) -> None:
+    """The warm-up (every CUDA engine's start) and the step-time curve of dynamic
+    speculation run steps of their own: the window layers get their groups' metadata too;
+    verify rows read the window and equal plain decoding."""
+    _, path = tiny
+    spec = SpeculativeConfig("ngram", 3, prompt_lookup_min=1)
+    speculating = engine(path, smollm2_tokenizer, speculative=spec, max_num_seqs=2)
+    assert warm_up(speculating.runner, 2, 16) >= 0.0
+    prompt = (prompts[1][:12] * 5)[:60]  # repeats: the n-gram lookup finds drafts
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    tokens = LLM.from_engine(speculating).generate([prompt], params, use_tqdm=False)
+    assert speculating.spec is not None and speculating.spec.counters.num_drafts > 0
+    plain = LLM.from_engine(engine(path, smollm2_tokenizer, max_num_seqs=2))
+    expected = plain.generate([prompt], params, use_tqdm=False)
+    assert tokens[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_a_request_that_fits_group_0_fits_a_window_pool_its_budget_capped() -> None:
+    """A tiny budget caps the window pool below what its requests could hold: group 0 gets no
+    more blocks than it, or a prompt admitted by group 0 could never run (a hang); with
+    num_kv_blocks, the window pools come from it, not from kv_cache_bytes."""
+    local = KVCacheGroup(KVCacheSpec(2, 6, 1, 32), (0, 1, 2, 3, 4, 6), WINDOW)
+    groups = [KVCacheGroup(KVCacheSpec(2, 1, 1, 32), (5,)), local]
+    block = 2 * 32 * 4 * BLOCK  # float32 bytes of one layer's block
+    budget = 7 * block * 4 + 5 * block  # 4 blocks of all 7 layers, 5 of one layer left over
+    assert pool_sizes(groups, budget, BLOCK, 4, 64, 64) == [4, 4]
+    assert pool_sizes(groups, 1 << 30, BLOCK, 4, 2, 64) == [524204, 14]  # 2 * 24 + 64 tokens
+    assert pool_sizes(groups, budget, BLOCK, 4, 2, 64, num_blocks=100) == [100, 14]
+    assert pool_sizes(groups, budget, BLOCK, 4, 64, 64, num_blocks=100) == [100, 100]

@@ -39,21 +39,32 @@ def pool_sizes(
     element: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    num_blocks: int | None = None,
 ) -> list[int]:
-    """Blocks of each group's pool from one byte budget. A window group gets what its running
-    requests can hold at once (each its window and two blocks, plus one step's new tokens),
-    at most what it would need if it kept every token group 0 keeps; group 0 the rest."""
+    """Blocks of each group's pool from one byte budget, or group 0's from ``num_blocks``
+    (config.num_kv_blocks). A window group gets what its running requests can hold at once
+    (each its window and two blocks, plus one step's new tokens), at most what it would need
+    if it kept every token group 0 keeps; group 0 the rest. Where the budget caps a window
+    group below what its requests can hold, group 0 gets no more blocks than it: a request
+    that fits group 0 (admission checks that) then fits every window group on its own."""
     per_block = [g.spec.values_per_token() * block_size * element for g in groups]
-    all_layers = sum(per_block)
+    cap = num_blocks if num_blocks is not None else max(1, budget // sum(per_block))
     sizes = [0]
     spent = 0
+    capped: list[int] = []
     for group, size in zip(groups[1:], per_block[1:]):
         assert group.window is not None
         tokens = max_num_seqs * (group.window + 2 * block_size) + max_num_batched_tokens
-        blocks = min(-(-tokens // block_size), max(1, budget // all_layers))
+        wanted = -(-tokens // block_size)
+        blocks = min(wanted, cap)
+        if blocks < wanted:
+            capped.append(blocks)
         sizes.append(blocks)
         spent += blocks * size
-    sizes[0] = max(1, (budget - spent) // per_block[0])
+    if num_blocks is not None:
+        sizes[0] = num_blocks
+    else:
+        sizes[0] = min([max(1, (budget - spent) // per_block[0]), *capped])
     return sizes
 
 

@@ -154,10 +154,8 @@ class ModelRunner:
         cfg = self.config
         sizes = pool_sizes(
             self.kv_groups, budget, self.block_size, self._element(),
-            cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, num_blocks,
         )  # fmt: skip
-        if num_blocks is not None:
-            sizes[0] = num_blocks
         self.window_blocks = sizes[1:]
         # One block more than the block manager hands out: the scratch block of padded rows
         # (in a window group, its null block). Zeroed: masked attention over never-written

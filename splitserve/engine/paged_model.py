@@ -22,3 +22,6 @@ class PagedModel(Protocol):
     """The width of a full block table: the context length in blocks."""
     scratch_block: int
     """A KV block the block manager never hands out: padded rows read and write it."""
+    window_blocks: list[int]
+    """Each sliding-window KV cache group's pool size, which is also its null block (the
+    group's scratch block); empty with one group (engine/kv_groups.py)."""

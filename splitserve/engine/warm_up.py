@@ -87,8 +87,29 @@ def _forward(
     cached_blocks: int = 0,
 ) -> None:
     """One eager step: decode rows with full tables of ``width`` blocks, then prompt chunks
-    after ``cached_blocks`` blocks of context; every slot and block is the scratch block."""
-    device, bs, scratch = runner.device, runner.block_size, runner.scratch_block
+    after ``cached_blocks`` blocks of context; every slot and block is the scratch block (in
+    each sliding-window group, that group's null block)."""
+    tokens = decode_rows + sum(prompt_lens)
+    shape = decode_rows, width, prompt_lens, cached_blocks
+    meta = _scratch_metadata(runner, runner.scratch_block, *shape)
+    meta.windows = [_scratch_metadata(runner, null, *shape) for null in runner.window_blocks]
+    input_ids = torch.zeros(tokens, dtype=torch.long, device=runner.device)
+    positions = torch.zeros(tokens, dtype=torch.long, device=runner.device)
+    hidden = runner.model(input_ids, positions, meta)
+    rows = list(range(decode_rows)) + [p.start + p.length - 1 for p in meta.prefills]
+    logits = runner.model.compute_logits(hidden[torch.tensor(rows, device=runner.device)])
+    greedy_tokens(logits)
+
+
+def _scratch_metadata(
+    runner: PagedModel,
+    scratch: int,
+    decode_rows: int,
+    width: int,
+    prompt_lens: list[int],
+    cached_blocks: int,
+) -> AttentionMetadata:
+    device, bs = runner.device, runner.block_size
     tokens = decode_rows + sum(prompt_lens)
     slots = torch.full((tokens,), scratch * bs, dtype=torch.long, device=device)
     prefills, row = [], decode_rows
@@ -97,7 +118,7 @@ def _forward(
         table = torch.full((-(-context // bs),), scratch, dtype=torch.long, device=device)
         prefills.append(PrefillSegment(row, length, context, table))
         row += length
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=slots,
         num_decode_tokens=decode_rows,
         decode_block_tables=torch.full(
@@ -106,12 +127,6 @@ def _forward(
         decode_context_lens=torch.full((decode_rows,), width * bs, dtype=torch.long, device=device),
         prefills=prefills,
     )
-    input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
-    positions = torch.zeros(tokens, dtype=torch.long, device=device)
-    hidden = runner.model(input_ids, positions, meta)
-    rows = list(range(decode_rows)) + [p.start + p.length - 1 for p in prefills]
-    logits = runner.model.compute_logits(hidden[torch.tensor(rows, device=device)])
-    greedy_tokens(logits)
 
 
 MOST_TIMED_ROWS = 256
