@@ -208,7 +208,7 @@ class TorchAttention(AttentionBackend):
         if window is not None and seg.context_len <= window:
             window = None  # every query's window holds its whole context
         out = None
-        if native.use_native(q) and window is None:
+        if native.use_native(q) and window is None and native.prefill_pays():
             out = native.prefill_attention(q, k, v, self.scale)
         return out if out is not None else self._sdpa_prefill(q, k, v, window)
 
