@@ -55,7 +55,9 @@ class V4Config:
     (DeepSeek's release lists ``num_hidden_layers + 1`` compress ratios), else sliding."""
 
     def __post_init__(self) -> None:
-        if any(kind not in ("sliding", "csa", "hca") for kind in (*self.layer_kinds, self.mtp_kind)):
+        if any(
+            kind not in ("sliding", "csa", "hca") for kind in (*self.layer_kinds, self.mtp_kind)
+        ):
             raise ValueError(f"deepseek_v4 layer kinds: {self.layer_kinds}")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= min(self.head_dim, self.index_head_dim):
             raise ValueError("deepseek_v4: the rope part must be even and fit every head")

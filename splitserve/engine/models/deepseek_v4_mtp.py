@@ -46,9 +46,7 @@ class DeepseekV4MTP(DeepseekV4ForCausalLM):
         v4 = v4_config(cfg)
         self.mtp_index = cfg.num_layers  # read by build_layer, which the base class calls
         kinds = (*v4.layer_kinds, v4.mtp_kind)
-        self.block_config = dataclasses.replace(
-            cfg, v4=dataclasses.replace(v4, layer_kinds=kinds)
-        )
+        self.block_config = dataclasses.replace(cfg, v4=dataclasses.replace(v4, layer_kinds=kinds))
         one = dataclasses.replace(v4, layer_kinds=(v4.mtp_kind,))
         super().__init__(dataclasses.replace(cfg, num_layers=1, v4=one), backend, ep)
         hidden = cfg.hidden_size
@@ -78,17 +76,28 @@ class DeepseekV4MTP(DeepseekV4ForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_mtp_weights(weights))
+        found: list[str] = []
+        try:
+            super().load_weights(_mtp_weights(weights, found))
+        except ValueError:
+            if found:
+                raise
+            raise ValueError(
+                "speculative method mtp needs a model with an MTP layer: the checkpoint has "
+                "no mtp.0.* tensors (transformers' V4 writes none)"
+            ) from None
 
 
 def _mtp_weights(
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor]], found: list[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The first MTP block's tensors, its block's as layer 0's and its own at the top (where
-    ``module_weights`` takes them), and the target's embedding and head; nothing else."""
+    """The first MTP block's tensors (their names added to found), its block's as layer 0's
+    and its own at the top (where ``module_weights`` takes them), and the target's embedding
+    and head; nothing else."""
     for name, tensor in weights:
         bare = name.removeprefix("model.")
         if bare.startswith("mtp.0."):
+            found.append(name)
             rest = bare.removeprefix("mtp.0.")
             own = rest.split(".")[0] in _OWN or rest.startswith("hc_head_")
             yield (rest if own else f"layers.0.{rest}"), tensor
