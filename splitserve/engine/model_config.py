@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "deepseek_v3",
     "deepseek_mtp",  # the MTP layer of a deepseek_v3 checkpoint (engine/spec/mtp.py)
     "deepseek_v4",
+    "deepseek_v4_mtp",  # the MTP block of a deepseek_v4 checkpoint (engine/spec/mtp.py)
 )
 
 
@@ -124,7 +125,7 @@ class ModelConfig:
     """Multi-head latent attention (DeepSeek); ``head_dim`` is then its RoPE part's."""
     mtp_layers: int = 0
     """Multi-token-prediction layers the checkpoint ships past the last decoder layer
-    (DeepSeek-V3's ``num_nextn_predict_layers``; engine/spec/mtp.py)."""
+    (DeepSeek-V3's and V4's ``num_nextn_predict_layers``; engine/spec/mtp.py)."""
     local_attention: LocalAttention | None = None
     """Layers with a sliding window of their own (Gemma 3's local layers). Unlike
     ``sliding_window`` (a window on every layer, which the engine does not build and so
@@ -188,7 +189,7 @@ class ModelConfig:
             moe=_moe_from_hf(model_type, cfg),
             qk_norm=model_type in QK_NORM_TYPES,
             mla=mla,
-            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla or v4 else 0,
             local_attention=local,
             attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if local else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),

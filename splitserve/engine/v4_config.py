@@ -50,9 +50,14 @@ class V4Config:
     hc_eps: float
     main_rope: Rope
     compress_rope: Rope
+    mtp_kind: str = "sliding"
+    """The MTP block's kind: the entry past the decoder layers' where the config lists one
+    (DeepSeek's release lists ``num_hidden_layers + 1`` compress ratios), else sliding."""
 
     def __post_init__(self) -> None:
-        if any(kind not in ("sliding", "csa", "hca") for kind in self.layer_kinds):
+        if any(
+            kind not in ("sliding", "csa", "hca") for kind in (*self.layer_kinds, self.mtp_kind)
+        ):
             raise ValueError(f"deepseek_v4 layer kinds: {self.layer_kinds}")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= min(self.head_dim, self.index_head_dim):
             raise ValueError("deepseek_v4: the rope part must be even and fit every head")
@@ -106,6 +111,7 @@ def v4_from_hf(cfg: dict[str, Any]) -> V4Config:
         hc_eps=float(cfg.get("hc_eps", 1e-6)),
         main_rope=main,
         compress_rope=compress,
+        mtp_kind=KINDS[types[layers]] if len(types) > layers else "sliding",
     )
 
 

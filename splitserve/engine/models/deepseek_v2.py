@@ -42,6 +42,7 @@ class DeepseekV2ForCausalLM(MixtralForCausalLM):
         super().__init__(cfg, backend, ep)
         self.mla = mla_config(cfg)
 
+    mtp_architecture = "deepseek_mtp"
     keep_hidden_states = False
     """Keep each step's final hidden states in ``hidden_states`` (the MTP drafter reads them,
     ``engine/spec/mtp.py``)."""

@@ -68,6 +68,10 @@ class V4DecoderLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(MixtralForCausalLM):
     graph_safe = False  # the torch attention loops over the step's queries on the host
+    mtp_architecture = "deepseek_v4_mtp"
+    keep_hidden_states = False
+    """Keep each step's residual streams [T, n, H] before the head's collapse in
+    ``hidden_states`` (the MTP drafter reads them, ``engine/spec/mtp.py``)."""
     expert_block = "mlp"
     expert_projections: ClassVar[dict[str, tuple[str, int]]] = (
         Qwen3MoeForCausalLM.expert_projections  # the same per-expert names
@@ -99,6 +103,8 @@ class DeepseekV4ForCausalLM(MixtralForCausalLM):
         streams = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, meta)
+        if self.keep_hidden_states:
+            self.hidden_states = streams
         return self.norm(self.hc_head(streams))
 
     def v4_attention(self) -> list[V4Attention]:

@@ -13,6 +13,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.deepseek_mtp import DeepseekMTP
 from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from splitserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from splitserve.engine.models.deepseek_v4_mtp import DeepseekV4MTP
 from splitserve.engine.models.gemma3 import Gemma3ForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.mixtral import MixtralForCausalLM
@@ -31,6 +32,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "deepseek_v3": DeepseekV2ForCausalLM,
     "deepseek_v4": DeepseekV4ForCausalLM,
     "deepseek_mtp": DeepseekMTP,  # V3's MTP layer, the mtp drafter's model
+    "deepseek_v4_mtp": DeepseekV4MTP,  # V4's MTP block, the mtp drafter's model
 }
 
 

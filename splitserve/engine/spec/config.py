@@ -13,8 +13,8 @@ METHODS = ("ngram", "draft_model", "mtp")
 class SpeculativeConfig:
     """method: ``ngram`` (prompt lookup, no extra model), ``draft_model`` (``model``: a
     smaller model with the target's tokenizer, run beside it with its own paged KV) or
-    ``mtp`` (the target checkpoint's multi-token-prediction layer, DeepSeek-V3's, chained for
-    more than one draft; engine/spec/mtp.py).
+    ``mtp`` (the target checkpoint's multi-token-prediction layer, DeepSeek-V3's or V4's,
+    chained for more than one draft; engine/spec/mtp.py).
 
     num_speculative_tokens: the most draft tokens verified per request and step.
     prompt_lookup_min / _max: n-gram lengths tried, longest first (ngram only).

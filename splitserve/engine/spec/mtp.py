@@ -1,8 +1,10 @@
-"""The MTP drafter: DeepSeek-V3's multi-token-prediction layer proposes the drafts.
+"""The MTP drafter: DeepSeek-V3's multi-token-prediction layer or V4's MTP block proposes
+the drafts.
 
-At position i the MTP layer reads token i + 1 and the target's hidden state at i and
-predicts token i + 2 (``models/deepseek_mtp.py``); it keeps a latent cache of its own, in a
-``ModelRunner`` and ``BlockManager`` of its own on the target's device. For each request it
+At position i the MTP layer reads token i + 1 and the target's hidden state at i (V4: its
+residual streams) and predicts token i + 2 (``models/deepseek_mtp.py``,
+``models/deepseek_v4_mtp.py``); it keeps a cache of its own, in a ``ModelRunner`` and
+``BlockManager`` of its own on the target's device. For each request it
 keeps a shadow ``Request`` whose tokens are the target's shifted by one (its token at
 position i is the target's i + 1) and the target hidden states of the positions it has not
 computed yet, collected from every target step (``observe``).
@@ -31,7 +33,9 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.loader import is_random_shape, resolve_model
 from splitserve.engine.model_runner import ModelRunner, step_order
 from splitserve.engine.models.deepseek_mtp import DeepseekMTP
-from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from splitserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM as DeepseekV2
+from splitserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM as DeepseekV4
+from splitserve.engine.models.deepseek_v4_mtp import DeepseekV4MTP
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
@@ -72,7 +76,8 @@ class MTPDrafter(Drafter):
         spec = config.speculative
         assert spec is not None
         model_config = target.model_config
-        if model_config.mtp_layers < 1 or not isinstance(target.model, DeepseekV2ForCausalLM):
+        model = target.model
+        if model_config.mtp_layers < 1 or not isinstance(model, DeepseekV2 | DeepseekV4):
             raise ValueError("speculative method mtp needs a model with an MTP layer")
         if target.graphs is not None or target.overlapped is not None:
             raise ValueError(
@@ -80,8 +85,8 @@ class MTPDrafter(Drafter):
                 "and overlapped steps do not return: set cuda_graph_max_batch=0 and "
                 "overlap_scheduling=false"
             )
-        target.model.keep_hidden_states = True
-        self.target = target.model
+        model.keep_hidden_states = True
+        self.target = model
         draft = dataclasses.replace(
             config,
             num_kv_blocks=None,
@@ -97,10 +102,10 @@ class MTPDrafter(Drafter):
             record_expert_load=False,
         )
         path = resolve_model(config.model)
-        mtp_config = dataclasses.replace(model_config, architecture="deepseek_mtp")
+        mtp_config = dataclasses.replace(model_config, architecture=model.mtp_architecture)
         weights = None if is_random_shape(path) else path
         self.runner = ModelRunner(draft, mtp_config, weights, max_model_len)
-        assert isinstance(self.runner.model, DeepseekMTP)
+        assert isinstance(self.runner.model, DeepseekMTP | DeepseekV4MTP)
         self.mtp = self.runner.model
         self.max_model_len = max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, draft.block_size, False, 0)
