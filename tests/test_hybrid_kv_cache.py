@@ -131,8 +131,8 @@ def test_exact_replay_of_a_prefix_hit_equals_the_uncached_run(
     llm = LLM.from_engine(cached)
     llm.generate([prompts[2]], GREEDY, use_tqdm=False)
     second = llm.generate([follow_up], GREEDY, use_tqdm=False)[0]
-    assert cached.block_manager.last_hit_tokens == {"device": 296}
     assert second.num_cached_tokens == 0  # exact: the whole prefix replayed
+    assert cached.block_manager.last_hit_tokens == {}  # no tier saved a token
     uncached = LLM.from_engine(engine(path, smollm2_tokenizer, enable_prefix_caching=False))
     plain = uncached.generate([follow_up], GREEDY, use_tqdm=False)[0]
     assert second.outputs[0].token_ids == plain.outputs[0].token_ids
@@ -149,6 +149,7 @@ def test_bounded_replay_computes_the_window_and_allowance_and_keeps_the_cached_k
     before = cached.runner.gather_blocks(table).clone()
     second = llm.generate([prompts[2] + prompts[1][:20]], GREEDY, use_tqdm=False)[0]
     assert second.num_cached_tokens == 280  # 296 cached, less the window and allowance
+    assert cached.block_manager.last_hit_tokens == {"device": 280}
     assert len(second.outputs[0].token_ids) == GREEDY.max_tokens
     assert torch.equal(cached.runner.gather_blocks(table), before)
 

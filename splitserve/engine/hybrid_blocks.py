@@ -103,6 +103,7 @@ class HybridBlockManager(BlockManager):
         cached = super().allocate_prefix(req)
         req.cached_until = cached
         req.window_from = self.replay_start(cached)
+        self.last_hit_tokens = _first(self.last_hit_tokens, req.window_from)
         return req.window_from
 
     def cached_prefix_tokens(self, req: Request) -> int:
@@ -148,3 +149,15 @@ class HybridBlockManager(BlockManager):
 
     def window_pool_blocks(self) -> list[int]:
         return [g.num_blocks for g in self.windows]
+
+
+def _first(hits: dict[str, int], tokens: int) -> dict[str, int]:
+    """Tier -> tokens (in prefix order) cut to the first ``tokens``: what the replay left
+    uncomputed, so the tiers' counts add up to the request's cached tokens."""
+    kept = {}
+    for tier, count in hits.items():
+        if tokens <= 0:
+            break
+        kept[tier] = min(count, tokens)
+        tokens -= kept[tier]
+    return kept

@@ -79,6 +79,10 @@ class LLMEngine:
         tag = "" if config.cpu_weights == "auto" else f"+{config.cpu_weights}-weights"
         if len(self.runner.kv_groups) > 1:
             tag += "+window-groups"  # a block holds the global layers only
+            if config.window_replay_allowance is not None:
+                # Blocks computed after a bounded replay are close to, not equal to, an
+                # uncached run's: a deployment replaying exactly never reads them.
+                tag += "+bounded-replay"
         root = hash_root(config.model, dtype + tag, config.block_size)
         self.block_manager = block_manager(config, self.runner, root)
         self.scheduler = Scheduler(config, self.block_manager)
