@@ -69,6 +69,7 @@ PROCESS_MODULES = frozenset(
         "test_disagg_e2e",
         "test_disagg_faults",
         "test_expert_parallel_serving",
+        "test_gemma3_served",
         "test_kv_cache_e2e",
         "test_observability",
         "test_structured_api",
