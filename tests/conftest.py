@@ -15,6 +15,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_tokenizer, resolve_model
+from tests.support import keyed_deployment
 from tests.support.disagg import PROMPTS, Reference, reference
 from tests.support.server_process import ServerProcess, serve
 
@@ -52,13 +53,12 @@ def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
 # beside a whole deployment and once missed its bound (0.41 s against 0.25 s). Modules that
 # start only light processes (two Gloo peers: test_transfer, test_expert_parallel; a stub HTTP
 # server: test_bench_serve) run in the other lane, which finishes a minute or so earlier. So do
-# four deployments that neither restart workers nor bound a latency (test_deepseek_serving,
-# test_api_responses_messages, test_shape_serving, test_disagg_2p1d): in this lane the suite
-# took over 12 minutes.
+# deployments that neither restart workers nor bound a latency (test_deepseek_serving,
+# test_shape_serving, test_disagg_2p1d, and the keyed deployment of test_api_errors and
+# test_api_responses_messages): in this lane the suite took over 12 minutes.
 PROCESS_MODULES = frozenset(
     {
         "test_api_e2e",
-        "test_api_errors",
         "test_api_fuzz",
         "test_api_edges_served",
         "test_api_hostile_served",
@@ -69,6 +69,7 @@ PROCESS_MODULES = frozenset(
         "test_disagg_e2e",
         "test_disagg_faults",
         "test_expert_parallel_serving",
+        "test_gemma3_served",
         "test_kv_cache_e2e",
         "test_observability",
         "test_structured_api",
@@ -159,4 +160,13 @@ def default_server() -> Iterator[ServerProcess]:
     it, kills its workers or needs other settings starts its own with ``serve``. This one
     starts its own Ray, exactly as `make serve` does; the others join one shared head."""
     with serve(private_ray=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def keyed_server() -> Iterator[ServerProcess]:
+    """The keyed deployment (tests/support/keyed_deployment.py), started once for the two
+    modules that send it requests (test_api_errors, test_api_responses_messages), which run
+    in the same lane."""
+    with serve(*keyed_deployment.SETTINGS, flags=keyed_deployment.FLAGS) as server:
         yield server

@@ -11,25 +11,21 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server_process import ServerProcess, metric, serve
+from tests.support.keyed_deployment import KEY, MAX_MODEL_LEN, MAX_QUEUE, MODEL, OTHER_KEY
+from tests.support.server_process import ServerProcess, metric
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m-instruct"
-KEYS = ("key-one", "key-two")
+KEYS = (KEY, OTHER_KEY)
 CHAT = [{"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with serve(
-        f"server.api_keys=[{KEYS[0]}, {KEYS[1]}]",
-        "server.max_queue=2",
-        "server.client_share=1.0",
-        "server.max_n=4",
-        "server.max_body_bytes=16384",
-    ) as process:
-        yield process
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    """The keyed deployment (tests/support/keyed_deployment.py: two API keys, at most 2
+    engine requests at once, n up to 4, bodies up to 16 KiB), shared with
+    test_api_responses_messages."""
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +77,7 @@ def test_invalid_chat_value_is_400_naming_the_param(
 
 def test_seeds_past_64_bits_are_400_and_leave_no_admission_behind(client: openai.OpenAI) -> None:
     """Before: each one got a 500 after it was admitted and held its slot for ever, so that
-    past max_queue (2 here) every request got 503 queue_full."""
+    past max_queue (MAX_QUEUE here) every request got 503 queue_full."""
     for _ in range(5):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
@@ -117,7 +113,8 @@ def test_more_choices_than_the_admission_bound_is_400_not_queue_full(
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=3)  # type: ignore[arg-type]
     assert error_of(info.value)["message"] == (
-        "n: 1 prompt(s) x n=3 make 3 engine requests, more than the 2 this server admits at once"
+        f"n: 1 prompt(s) x n=3 make 3 engine requests, more than the {MAX_QUEUE} this server "
+        "admits at once"
     )
     assert_still_serving(client)
 
@@ -153,7 +150,7 @@ def test_prompt_plus_max_tokens_over_context_is_context_length_exceeded(
         client.completions.create(model=MODEL, prompt="word " * 100, max_tokens=2000)
     error = error_of(info.value)
     assert error["code"] == "context_length_exceeded"
-    assert "maximum context length is 2048 tokens" in error["message"]
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
     assert_still_serving(client)
 
 
@@ -204,7 +201,7 @@ def test_malformed_json_and_oversized_bodies_and_headers_are_refused(
 
 
 def test_missing_or_wrong_api_key_is_401(server: ServerProcess, client: openai.OpenAI) -> None:
-    for key in ("wrong-key", "key-on"):
+    for key in ("wrong-key", KEYS[0][:-1]):
         bad = openai.OpenAI(base_url=server.api, api_key=key, max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
             bad.models.list()
@@ -224,13 +221,13 @@ def test_full_admission_queue_is_503_with_retry_after(
     long = {
         "model": MODEL,
         "prompt": "Once",
-        "max_tokens": 1500,
+        "max_tokens": MAX_MODEL_LEN - 16,
         "ignore_eos": True,
         "stream": True,
     }
     lines: list[Iterator[str]] = []
     with contextlib.ExitStack() as stack, httpx.Client(timeout=30, headers=headers) as http:
-        for _ in range(2):
+        for _ in range(MAX_QUEUE):
             stream = stack.enter_context(
                 http.stream("POST", f"{server.api}/completions", json=long)
             )

@@ -1,14 +1,13 @@
 """POST /v1/responses and POST /v1/messages (issue 46) with the official openai and anthropic
 clients against a 1P1D deployment on SmolLM2, started as `vllm serve` would be:
 `splitserve serve smollm2-135m-instruct --port N --api-key K --served-model-name ...` (the
-anthropic client sends its key as x-api-key). Each answer is compared with the chat
-completion of the same conversation (greedy): the two APIs are that conversation in another
-shape, streamed or not."""
+keyed deployment, tests/support/keyed_deployment.py; the anthropic client sends its key as
+x-api-key). Each answer is compared with the chat completion of the same conversation
+(greedy): the two APIs are that conversation in another shape, streamed or not."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -16,13 +15,10 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server_process import ServerProcess, serve
+from tests.support.keyed_deployment import KEY, MAX_MODEL_LEN, MODEL
+from tests.support.server_process import ServerProcess
 
-MODEL = "smol"
-KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-FLAGS = ("smollm2-135m-instruct", "--served-model-name", MODEL, "--api-key", KEY)
-FLAGS += ("--max-model-len", "1024", "--max-num-seqs", "16", "--enable-prefix-caching")
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -38,9 +34,10 @@ THINK = r"<think>[a-z ]{4,20}</think>[A-Z][a-z ]{4,20}\."
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with serve(flags=FLAGS) as server:
-        yield server
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    """The keyed deployment, shared with test_api_errors (which adds a second API key and its
+    small admission limits: one request at a time here)."""
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +54,7 @@ def test_the_vllm_style_command_line_serves_the_model_by_its_name(
     server: ServerProcess, oai: openai.OpenAI
 ) -> None:
     [card] = oai.models.list().data
-    assert (card.id, card.model_extra["max_model_len"]) == (MODEL, 1024)
+    assert (card.id, card.model_extra["max_model_len"]) == (MODEL, MAX_MODEL_LEN)
     assert httpx.get(f"{server.api}/models").status_code == 401
     answer = chat(oai, ANSWER, max_tokens=4)
     assert answer.model == MODEL and answer.usage.completion_tokens == 4

@@ -1,6 +1,7 @@
 """Gemma 3 270M on its real weights (the embedded ``gemma3-270m``, Q4_K_M GGUF): greedy
 tokens equal to transformers' Gemma3ForCausalLM on the same weights, a prompt longer than two
-of its 512-token windows among them; its chat format; the alias.
+of its 512-token windows among them; the tokens its served tests assert
+(tests/support/gemma3.py); its chat format; the alias.
 
 transformers reads this GGUF itself (``gguf_file=``), in about two minutes on the 2-core VM
 (most of it its reader walking the 262k-token vocabulary), so the reference here is its model
@@ -19,6 +20,18 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.gguf_file import read_gguf
 from splitserve.engine.loader import eos_token_ids, resolve_model
+from tests.support.gemma3 import (
+    CHAT,
+    CHAT_PIECES,
+    CHAT_PROMPT_TOKENS,
+    CHAT_TOKENS,
+    NEW_TOKENS,
+    SERVED_PIECES,
+    SERVED_PROMPT_TOKENS,
+    SERVED_TEXTS,
+    SERVED_TOKENS,
+    STORY,
+)
 from tests.support.reference import assert_greedy_equal
 
 PUBLISHED_CONFIG = dict(
@@ -73,22 +86,31 @@ def gemma() -> LLM:
 
 @pytest.mark.slow
 def test_gemma3_270m_greedy_matches_transformers_past_its_window(gemma: LLM) -> None:
+    """The served tests' prompts are among them (the first of TEXTS, STORY and the chat):
+    there the tokens are transformers' and ours exactly, each decoded as listed."""
     tok = gemma.tokenizer
-    prompts = [tok.encode(text) for text in TEXTS]
-    story = " ".join(f"Day {i}: the baker sold {i * 7 % 23} loaves of rye." for i in range(90))
-    prompts.append(tok.encode(story + " On the last day, the baker"))
-    assert len(prompts[-1]) > 2 * 512
+    prompts = [tok.encode(text) for text in (*TEXTS, STORY)]
+    prompts.append(gemma.apply_chat_template(CHAT))
+    served = [0, len(TEXTS), len(TEXTS) + 1]
+    assert (TEXTS[0], STORY) == SERVED_TEXTS
+    assert [len(prompts[i]) for i in served] == [*SERVED_PROMPT_TOKENS, CHAT_PROMPT_TOKENS]
     outputs = gemma.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     hf = reference_model(resolve_model("gemma3-270m"))
-    equal = []
+    equal, refs = [], []
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
             ref = hf.generate(
                 torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=[1, 106]
             )[0, len(prompt) :].tolist()
+        refs.append(ref)
         equal.append(assert_greedy_equal(hf, prompt, output.outputs[0].token_ids, ref))
     print(f"sequences wholly equal: {equal}")
     assert sum(equal) >= len(prompts) - 1, f"sequences wholly equal: {equal}"
+    expected = [*SERVED_TOKENS, CHAT_TOKENS]
+    assert [tuple(refs[i][:NEW_TOKENS]) for i in served] == expected
+    assert [tuple(outputs[i].outputs[0].token_ids[:NEW_TOKENS]) for i in served] == expected
+    pieces = [tuple(tok.decode([t]) for t in tokens) for tokens in expected]
+    assert pieces == [*SERVED_PIECES, CHAT_PIECES]
 
 
 def test_gemma3_270m_chats_in_gemma_turns_ending_at_end_of_turn(gemma: LLM) -> None:

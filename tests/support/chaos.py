@@ -1,7 +1,7 @@
 """Chaos run: streamed greedy requests against 2 prefill + 2 decode workers while a decode
 worker and then a prefill worker are killed with SIGKILL; every request must complete with
 the offline engine's greedy output, and both workers must be back in their pools. With one
-worker of each (SETTINGS_1P1D) the requests wait for the restarted ones instead.
+worker of each (``replicas=1``) the requests wait for the restarted ones instead.
 
 The test (tests/test_disagg_chaos.py) runs 120 requests of 8 tokens, `make chaos` 200 of 32, the
 first 16 of either OPENING_TOKENS long:
@@ -37,11 +37,6 @@ SERVER_SETTINGS = (
     # Each computed prompt's KV waits this long before it is sent: a window in which a
     # killed prefill worker has requests before their handoff (tests only).
     "transfer.fault_send_delay_s=0.2",
-)
-SETTINGS_1P1D = (
-    "pools.prefill.replicas=1",
-    "pools.decode.replicas=1",
-    *SERVER_SETTINGS[2:],
 )
 RUNNING = "splitserve:num_requests_running"
 OPENING_TOKENS = 64
@@ -95,6 +90,8 @@ class Chaos:
     concurrency: int
     replicas: int = 2
     """Of each pool: what its ready count comes back to after a kill."""
+    victims: tuple[str, str] = ("decode-0", "prefill-0")
+    """The decode worker killed first, then the prefill worker."""
     outcomes: list[Outcome] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
 
@@ -109,8 +106,9 @@ class Chaos:
         for client in clients:
             client.start()
         try:
-            self._kill_when("decode-0", lambda: self._running("decode-0") > 0)
-            self._kill_when("prefill-0", lambda: self._done() >= len(self.texts) // 2)
+            decode, prefill = self.victims
+            self._kill_when(decode, lambda: self._running(decode) > 0)
+            self._kill_when(prefill, lambda: self._done() >= len(self.texts) // 2)
             for kill in self.kills:
                 self._wait_back(kill)
         finally:
