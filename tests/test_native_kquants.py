@@ -1,7 +1,8 @@
 """The block types of GGUF's Q4_K_M files (Q4_K, Q6_K, Q5_0) in the native block kernels: the
 torch reference and the kernels' lookups bit-identical to gguf's numpy dequantize, on random
 blocks and on the real tensors of the embedded Gemma 3 270M file; products on every
-instruction set against the dequantized weights; Q5_0 widened to Q8_0 without a changed bit."""
+instruction set against the dequantized weights; Q5_0 widened to Q8_0 without a changed bit;
+the weight plan that keeps Gemma's tensors packed."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.gguf_file import read_gguf
-from splitserve.engine.loader import resolve_model
+from splitserve.engine.layers.attention_backends import make_backend
+from splitserve.engine.loader import load_model_config, resolve_model
+from splitserve.engine.models.registry import model_class
+from splitserve.engine.weight_format import block_weight_plan
 from splitserve.kernels.native.blocks import (
     BLOCK_BYTES,
     BLOCK_VALUES,
@@ -141,3 +146,24 @@ def test_to_q8_0_keeps_every_weight(qtype: int) -> None:
     assert torch.equal(gguf_reference(wide, Q8_0), gguf_reference(blocks, qtype))
     with pytest.raises(ValueError, match="Q4_K blocks do not widen"):
         to_q8_0(random_blocks(Q4_K, 1, 256), Q4_K)
+
+
+def test_the_plan_keeps_every_gemma_projection_packed() -> None:
+    path = resolve_model("gemma3-270m")
+    cfg = load_model_config(path)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, make_backend("torch", 4, 1, 256))
+    plan = block_weight_plan(EngineConfig(model=path), path, model, cfg.tie_word_embeddings)
+    kinds: dict[str, set[int]] = {}
+    for name, qtype in plan.types.items():
+        kinds.setdefault(name.split(".")[-2], set()).add(qtype)
+    # q|k|v mixes Q5_0 with Q8_0 in half the layers: those widen to Q8_0.
+    assert kinds == {
+        "embed_tokens": {Q8_0},
+        "qkv_proj": {Q5_0, Q8_0},
+        "o_proj": {Q4_K},
+        "gate_up_proj": {Q5_0},
+        "down_proj": {Q4_K, Q6_K},
+    }
+    assert len(plan.types) == 1 + 4 * 18
+    assert set(plan.widen.values()) == {Q5_0} and len(plan.widen) == 2 * 9
