@@ -129,13 +129,15 @@ def test_block_matmul_sees_gguf_weights_of_gemma(
 
 @pytest.mark.skipif(best_isa() < ISAS.index("avx512"), reason="this CPU has no AVX-512F")
 @pytest.mark.parametrize("qtype", TYPES)
-def test_avx512_agrees_with_avx2_and_portable_and_has_no_interleaved_copy(qtype: int) -> None:
+def test_avx512_takes_the_one_output_passes_at_many_rows(qtype: int) -> None:
+    # No interleaved copy for these types: 20 rows run as passes of 8, 8 and 4.
     blocks = random_blocks(qtype, 45, 768, seed=4)
     assert interleave(blocks, qtype) is None
+    reference = gguf_reference(blocks, qtype).double()
     x = torch.randn(20, 768, generator=torch.Generator().manual_seed(5))
-    by_isa = {isa: block_matmul(x, blocks, qtype, isa) for isa in ISAS}
-    torch.testing.assert_close(by_isa["avx512"], by_isa["avx2"], rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(by_isa["avx512"], by_isa["portable"], rtol=1e-5, atol=2e-5)
+    out = block_matmul(x, blocks, qtype, "avx512", interleaved=None)
+    atol = 1e-6 * float(reference.abs().max()) * 768**0.5
+    torch.testing.assert_close(out.double(), x.double() @ reference.T, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("qtype", [Q4_0, Q5_0])
