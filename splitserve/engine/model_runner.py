@@ -115,11 +115,11 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         if weights_path is not None:
-            plan, keep = block_weight_plan(
-                self.config, weights_path, model, cfg.tie_word_embeddings
+            plan = block_weight_plan(self.config, weights_path, model, cfg.tie_word_embeddings)
+            to_block_layers(model, plan.types)
+            model.load_weights(
+                text_weights(plan.weights(iter_weights(weights_path, cfg, plan.keep)))
             )
-            to_block_layers(model, plan)
-            model.load_weights(text_weights(iter_weights(weights_path, cfg, keep)))
         if self.device.type == "cpu" and self.config.cpu_weights == "bfloat16":
             to_bf16_layers(model)
         if self.device.type == "cpu":

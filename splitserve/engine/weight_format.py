@@ -1,29 +1,59 @@
 """Which of a GGUF checkpoint's weights the CPU keeps in their quantized blocks.
 
 With ``dtype="auto"`` on the CPU, every projection and embedding whose tensors the file stores
-in a block type the native kernels read (Q4_0, Q4_1, Q8_0) stays in those blocks
-(``engine/layers/block_linear.py``); a fused projection (q|k|v, gate|up) does when all its
-parts share one such type, and a projection with a bias (Qwen2's q|k|v) is dequantized.
-Everything else, everything with ``dtype="float32"`` (the
-oracle tests' mode), and everything with ``cpu_weights="bfloat16"`` (then converted,
-``engine/layers/bf16_linear.py``) is dequantized to float32 as before.
+in a block type the native kernels read (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) stays in those
+blocks (``engine/layers/block_linear.py``); a fused projection (q|k|v, gate|up) does when all
+its parts share one such type, or as Q8_0 when its parts mix Q8_0, Q5_0 and Q4_0 (Gemma 3
+270M's q|k|v in its Q4_K_M file: Q5_0 q and k, a Q8_0 v): those re-encode as Q8_0 on the way
+in without changing a weight (``blocks.to_q8_0``). A projection with a bias (Qwen2's q|k|v) is
+dequantized, and so is a fused projection of other mixed types. Everything else, everything
+with ``dtype="float32"`` (the oracle tests' mode), and everything with
+``cpu_weights="bfloat16"`` (then converted, ``engine/layers/bf16_linear.py``) is dequantized
+to float32 as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.loader import gguf_tensor_types, is_gguf
-from splitserve.kernels.native.blocks import BLOCK_BYTES, native_available
+from splitserve.kernels.native.blocks import (
+    BLOCK_BYTES,
+    Q8_0,
+    WIDENS_TO_Q8_0,
+    native_available,
+    to_q8_0,
+)
 
 
 class WeightTargets(Protocol):
     def weight_target(self, hf_name: str) -> tuple[str, int]: ...
 
     def get_submodule(self, target: str) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    types: dict[str, int] = field(default_factory=dict)
+    """Our parameter name -> the GGUF type it is kept in."""
+    keep: frozenset[str] = frozenset()
+    """The checkpoint's tensor names to load as blocks."""
+    widen: dict[str, int] = field(default_factory=dict)
+    """Checkpoint tensor name -> its type, for the parts re-encoded as Q8_0 on the way in."""
+
+    def weights(
+        self, stream: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors, the widened parts as Q8_0 blocks."""
+        for name, tensor in stream:
+            qtype = self.widen.get(name)
+            yield name, tensor if qtype is None else to_q8_0(tensor, qtype)
 
 
 def keeps_blocks(config: EngineConfig, path: str) -> bool:
@@ -38,11 +68,10 @@ def keeps_blocks(config: EngineConfig, path: str) -> bool:
 
 def block_weight_plan(
     config: EngineConfig, path: str, model: WeightTargets, tied_embeddings: bool
-) -> tuple[dict[str, int], frozenset[str]]:
-    """(our parameter name -> GGUF type for each weight kept in blocks, the checkpoint's
-    tensor names to load as blocks). Empty where the blocks are not kept."""
+) -> BlockPlan:
+    """The weights kept in blocks; empty where the blocks are not kept."""
     if not keeps_blocks(config, path):
-        return {}, frozenset()
+        return BlockPlan()
     sources: dict[str, list[tuple[str, int]]] = {}
     for hf_name, qtype in gguf_tensor_types(path).items():
         if not hf_name.endswith(".weight") or "rope_freqs" in hf_name:
@@ -51,12 +80,19 @@ def block_weight_plan(
             continue
         param, _ = model.weight_target(hf_name)
         sources.setdefault(param, []).append((hf_name, qtype))
-    plan = {
-        param: parts[0][1]
-        for param, parts in sources.items()
-        if parts[0][1] in BLOCK_BYTES
-        and len({qtype for _, qtype in parts}) == 1
-        and getattr(model.get_submodule(param.removesuffix(".weight")), "bias", None) is None
-    }
-    keep = frozenset(name for param in plan for name, _ in sources[param])
-    return plan, keep
+    types, widen = {}, {}
+    for param, parts in sources.items():
+        module = model.get_submodule(param.removesuffix(".weight"))
+        if (
+            not isinstance(module, nn.Linear | nn.Embedding)
+            or getattr(module, "bias", None) is not None
+        ):
+            continue
+        kinds = {qtype for _, qtype in parts}
+        if len(kinds) == 1 and parts[0][1] in BLOCK_BYTES:
+            types[param] = parts[0][1]
+        elif kinds <= WIDENS_TO_Q8_0 | {Q8_0}:
+            types[param] = Q8_0
+            widen.update((name, qtype) for name, qtype in parts if qtype != Q8_0)
+    keep = frozenset(name for param in types for name, _ in sources[param])
+    return BlockPlan(types, keep, widen)

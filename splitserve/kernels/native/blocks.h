@@ -1,26 +1,96 @@
-/* Shared by blocks.c and blocks_avx512.c: the block formats (blocks.c describes them). */
+/* Shared by the block products (blocks.c, blocks_avx2.c, blocks_avx512.c,
+ * blocks_interleaved.c): the block formats (blocks.c describes them) and the scalar pieces of
+ * their dequantization. */
 #ifndef SPLITSERVE_BLOCKS_H
 #define SPLITSERVE_BLOCKS_H
 #include <stdint.h>
+#include <string.h>
 
-#define QK 32
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+#define QK 32   /* values of a block of the 32-value types, and of a part of any block */
+#define QK_K 256 /* values of a K-quant super-block */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 static inline int block_bytes(int qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : -1;
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: return -1;
+    }
 }
 int splitserve_block_bytes(int qtype);
 
-/* Bytes of a block before its quants: d (and m for Q4_1), fp16 each. */
+/* Values of a block: 32, or 256 for the K-quants. A block is block_values / 32 parts of 32
+ * consecutive values, which every path dequantizes one at a time. */
+static inline int block_values(int qtype) { return qtype == Q4_K || qtype == Q6_K ? QK_K : QK; }
+
+/* Bytes of a block before its quants: d (and m for Q4_1), fp16 each. The interleaved copy's
+ * types only (Q4_0, Q4_1, Q8_0). */
 static inline int block_header(int qtype) { return qtype == Q4_1 ? 4 : 2; }
 
-/* The AVX-512 path (blocks_avx512.c): whether this CPU runs it, and outputs [n0, n1) of
- * out[M, N] = x[M, K] @ dequant(w[N, K]).T, which it may only be asked for where it does. */
+/* IEEE half -> float, exactly (numpy's astype(float32) of a float16). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0 && mant == 0) {
+        bits = sign;
+    } else if (exp == 0) {
+        float f = (float)mant * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* A K-quant super-block's float32 scales, as gguf's numpy dequantize forms them:
+ *   Q4_K  d[p] = d * sc[p], m[p] = dmin * min[p] for its 8 parts (6-bit sc and min unpacked
+ *         from the 12 scale bytes as gguf's get_scale_min); weight = d[p] * q - m[p]
+ *   Q6_K  d[i] = d * scales[i] for its 16 groups of 16 values; weight = d[i] * (q - 32) */
+typedef struct {
+    float d[16], m[8];
+} kscales;
+
+static inline void k_scales(int qtype, const uint8_t *b, kscales *s) {
+    if (qtype == Q6_K) {
+        float d = half_at(b + 208);
+        for (int i = 0; i < 16; i++) s->d[i] = d * (float)(int8_t)b[192 + i];
+        return;
+    }
+    float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *sc = b + 4;
+    for (int p = 0; p < 8; p++) {
+        int scale = p < 4 ? sc[p] & 63 : (sc[p + 4] & 15) | ((sc[p - 4] >> 6) << 4);
+        int min = p < 4 ? sc[p + 4] & 63 : (sc[p + 4] >> 4) | ((sc[p] >> 6) << 4);
+        s->d[p] = d * (float)scale;
+        s->m[p] = dmin * (float)min;
+    }
+}
+
+/* The AVX2 and AVX-512 paths (blocks_avx2.c, blocks_avx512.c): outputs [n0, n1) of
+ * out[M, N] = x[M, K] @ dequant(w[N, K]).T, which each may only be asked for where the CPU
+ * runs it. */
 int splitserve_has_avx512(void);
+void splitserve_avx2_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                           int64_t n0, int64_t n1, float *out, int64_t N);
 void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
                              int64_t n0, int64_t n1, float *out, int64_t N);
-/* The many-row product on the interleaved copy (blocks_avx512.c describes the layout):
- * outputs [32 pair, 32 pair + 32) of out[M, N]. AVX-512 only. */
+/* The many-row product on the interleaved copy (blocks_interleaved.c describes the layout):
+ * outputs [32 pair, 32 pair + 32) of out[M, N]. AVX-512 only; Q4_0, Q4_1, Q8_0. */
 void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t K,
                                    const uint8_t *il, int64_t pair, float *out, int64_t N);
 #endif

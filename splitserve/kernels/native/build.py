@@ -23,7 +23,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("blocks.c", "blocks_avx512.c", "decode.c", "prefill.c")
+SOURCES = (
+    "blocks.c",
+    "blocks_avx2.c",
+    "blocks_avx512.c",
+    "blocks_interleaved.c",
+    "decode.c",
+    "prefill.c",
+)
 HEADERS = ("blocks.h", "vec16.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 LIBRARY = "libsplitserve_native.so"
