@@ -80,7 +80,8 @@ def block_weight_plan(
             continue
         param, _ = model.weight_target(hf_name)
         sources.setdefault(param, []).append((hf_name, qtype))
-    types, widen = {}, {}
+    types: dict[str, int] = {}
+    widen: dict[str, int] = {}
     for param, parts in sources.items():
         module = model.get_submodule(param.removesuffix(".weight"))
         if (
