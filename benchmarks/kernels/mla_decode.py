@@ -70,13 +70,53 @@ def one(batch: int, context: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def sweep(batch: int, context: int) -> list[dict[str, Any]]:
+    """The kernel's time at each tile shape (heads a program, warps, tokens a tile) on one
+    case; a shape Triton cannot compile (too much shared memory) is left out."""
+    blocks = -(-context // BLOCK_SIZE)
+    cache = torch.randn(batch * blocks + 1, BLOCK_SIZE, 1, LORA + ROPE, device=DEV).bfloat16()
+    tables = torch.randperm(batch * blocks, device=DEV).view(batch, blocks)
+    lens = torch.full((batch,), context, device=DEV)
+    query = torch.randn(batch, HEADS, LORA + ROPE, device=DEV).bfloat16()
+    scale = (128 + ROPE) ** -0.5
+    ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
+    read = batch * context * (LORA + ROPE) * 2
+    rows = []
+    for block_h in (16, 32, 64):
+        for num_warps in (4, 8):
+            for block_n in (16, 32, 64):
+                tiles = {"block_n": block_n, "block_h": block_h, "num_warps": num_warps}
+
+                def run(tiles: dict[str, int] = tiles) -> Any:
+                    return mla_decode_attention(query, cache, tables, lens, scale, LORA, **tiles)
+
+                try:
+                    err = float((run().float() - ref).abs().max())
+                    us = time_us(run)
+                except Exception as exc:  # out of resources: not a candidate
+                    print(f"block_h {block_h} warps {num_warps} block_n {block_n}: {exc!r:.120}")
+                    continue
+                rows.append({
+                    "block_h": block_h, "num_warps": num_warps, "block_n": block_n, "us": us,
+                    "max_abs_err": err, "bandwidth_share": read / (us * 1e-6) / BANDWIDTH,
+                })  # fmt: skip
+    return sorted(rows, key=lambda r: r["us"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
+    parser.add_argument("--sweep", type=int, default=0, help="also sweep tiles at this context")
     args = parser.parse_args()
     rows = [one(args.batch, int(c)) for c in args.contexts.split(",")]
-    result = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "rows": rows}
+    device = torch.cuda.get_device_name()
+    result: dict[str, Any] = {"commit": git_commit(), "device": device, "rows": rows}
+    if args.sweep:
+        tiles = sweep(args.batch, args.sweep)
+        result["sweep"] = tiles
+        for r in tiles[:8]:
+            print(r)
     line = json.dumps(result)
     print(line)
     if os.environ.get("OUT"):
