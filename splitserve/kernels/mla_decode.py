@@ -2,11 +2,14 @@
 
 Each sequence's query is ``latent_dim`` values per head (q_nope times W_UK, then the rotated
 q_rope); the cache keeps one latent row per token, ``kv_lora_rank`` latent values then the
-RoPE key, shared by every head (one KV head). Each program takes one (sequence, tile of
-BLOCK_H heads, split of the context): it walks the split in tiles of BLOCK_N tokens gathered
+RoPE key, shared by every head (one KV head). Each program takes one (tile of BLOCK_H
+heads, sequence, split of the context): it walks the split in tiles of BLOCK_N tokens gathered
 through the block table, scores the heads against the latent and RoPE parts of each row, and
 accumulates the latent part weighted by the online softmax. Each row is read once for all the
-tile's heads; with more than one split each writes a partial output and its log-sum-exp and
+tile's heads, and the head tiles of one sequence and split are launched next to each other
+(the grid's first axis) so that they meet its rows in L2 rather than each in HBM (launched a
+batch apart, batch 64 at 4k context read at 8.6% of the bandwidth bound on an H200); with more
+than one split each writes a partial output and its log-sum-exp and
 ``decode_attention.merge_splits`` combines them (flash-decoding). Nothing is read back to the
 host, so a decode step stays capturable in a CUDA graph.
 
@@ -40,8 +43,8 @@ def _mla_decode_kernel(
 ):  # fmt: skip
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
-    seq = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     context = tl.load(lens_ptr + seq).to(tl.int32)
     per_split = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -126,7 +129,7 @@ def mla_decode_attention(
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, value_dim), device=query.device)
         part_lse = torch.empty((batch, num_heads, splits), device=query.device)
-    _mla_decode_kernel[(batch, head_tiles, splits)](
+    _mla_decode_kernel[(head_tiles, batch, splits)](
         query, latent_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * LOG2E,
         query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
