@@ -70,7 +70,7 @@ def one(batch: int, context: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def sweep(batch: int, context: int) -> list[dict[str, Any]]:
+def sweep(batch: int, context: int, heads: str, warps: str, tokens: str) -> list[dict[str, Any]]:
     """The kernel's time at each tile shape (heads a program, warps, tokens a tile) on one
     case; a shape Triton cannot compile (too much shared memory) is left out."""
     blocks = -(-context // BLOCK_SIZE)
@@ -82,9 +82,9 @@ def sweep(batch: int, context: int) -> list[dict[str, Any]]:
     ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
     read = batch * context * (LORA + ROPE) * 2
     rows = []
-    for block_h in (16, 32, 64):
-        for num_warps in (4, 8):
-            for block_n in (16, 32, 64):
+    for block_h in map(int, heads.split(",")):
+        for num_warps in map(int, warps.split(",")):
+            for block_n in map(int, tokens.split(",")):
                 tiles = {"block_n": block_n, "block_h": block_h, "num_warps": num_warps}
 
                 def run(tiles: dict[str, int] = tiles) -> Any:
@@ -108,12 +108,15 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
     parser.add_argument("--sweep", type=int, default=0, help="also sweep tiles at this context")
+    parser.add_argument("--sweep-heads", default="16,32,64,128", help="BLOCK_H values")
+    parser.add_argument("--sweep-warps", default="4,8,16")
+    parser.add_argument("--sweep-tokens", default="16,32,64,128", help="BLOCK_N values")
     args = parser.parse_args()
     rows = [one(args.batch, int(c)) for c in args.contexts.split(",")]
     device = torch.cuda.get_device_name()
     result: dict[str, Any] = {"commit": git_commit(), "device": device, "rows": rows}
     if args.sweep:
-        tiles = sweep(args.batch, args.sweep)
+        tiles = sweep(args.batch, args.sweep, args.sweep_heads, args.sweep_warps, args.sweep_tokens)
         result["sweep"] = tiles
         for r in tiles[:8]:
             print(r)
