@@ -6,10 +6,8 @@ RoPE key, shared by every head (one KV head). Each program takes one (tile of BL
 heads, sequence, split of the context): it walks the split in tiles of BLOCK_N tokens gathered
 through the block table, scores the heads against the latent and RoPE parts of each row, and
 accumulates the latent part weighted by the online softmax. Each row is read once for all the
-tile's heads, and the head tiles of one sequence and split are launched next to each other
-(the grid's first axis) so that they meet its rows in L2 rather than each in HBM (launched a
-batch apart, batch 64 at 4k context read at 8.6% of the bandwidth bound on an H200); with more
-than one split each writes a partial output and its log-sum-exp and
+tile's heads (the head tiles of one sequence and split are launched side by side, the grid's
+first axis); with more than one split each writes a partial output and its log-sum-exp and
 ``decode_attention.merge_splits`` combines them (flash-decoding). Nothing is read back to the
 host, so a decode step stays capturable in a CUDA graph.
 
@@ -100,15 +98,14 @@ def mla_decode_attention(
     value_dim: int,
     num_splits: int | None = None,
     block_n: int | None = None,
-    block_h: int = 16,
-    num_warps: int = 4,
+    block_h: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """query [B, H, latent_dim] over latent_cache [num_blocks, block_size, 1, latent_dim]
     (padded block_tables [B, max_blocks], context_lens [B]) -> [B, H, value_dim], the
     weighted first ``value_dim`` values of each row (the latent). value_dim and
     latent_dim - value_dim are powers of two of at least 16. block_n: context tokens per
-    tile (default: the decode kernel's tile, at most 32 rows of a 512-value latent, whose
-    tile the program holds whole)."""
+    tile (default: 64 rows of a 512-value latent)."""
     batch, num_heads, latent_dim = query.shape
     rope = latent_dim - value_dim
     assert latent_cache.shape[2] == 1 and latent_cache.shape[3] == latent_dim
@@ -120,8 +117,14 @@ def mla_decode_attention(
     if batch == 0:
         return out
     block_size = latent_cache.shape[1]
+    # Tiles measured on an H200 (benchmarks/kernels/mla_decode.py --sweep, DeepSeek-V3's 128
+    # heads, batch 64, 4k context): 64 heads, 8 warps and 64 tokens a program took 331 µs,
+    # the 16 heads and 4 warps before 881 µs; 128 heads or 128 tokens do not fit in shared
+    # memory. Fewer heads (V2-Lite's 16) take one tile of them.
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
+    num_warps = num_warps or (8 if block_h >= 64 else 4)
     head_tiles = triton.cdiv(num_heads, block_h)
-    tile, min_tokens = choose_tiles(batch * head_tiles, query.device, query.element_size())
+    _, min_tokens = choose_tiles(batch * head_tiles, query.device, query.element_size())
     splits = num_splits or choose_num_splits(
         batch * head_tiles, block_tables.shape[1] * block_size, query.device, min_tokens
     )
@@ -135,7 +138,7 @@ def mla_decode_attention(
         query.stride(0), query.stride(1), latent_cache.stride(0), latent_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
         LORA=value_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n or min(tile, max(16, 16384 // value_dim)), NUM_SPLITS=splits,
+        BLOCK_N=block_n or min(64, max(16, 32768 // value_dim)), NUM_SPLITS=splits,
         PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, **pdl.launch_kwargs(query),
     )  # fmt: skip
