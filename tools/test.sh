@@ -5,8 +5,9 @@
 # In one process the suite used about 1.1 of the 2 cores: the server tests wait on processes
 # and sockets, the kernel tests run Triton's interpreter on one core. So the modules that start
 # servers, Ray clusters or worker processes (marker `processes`, tests/conftest.py) run one
-# after another in one lane, every other module in a second lane, and the linters beside
-# both. Each lane's torch takes one thread (OMP_NUM_THREADS=1, inherited by the servers it
+# after another in one lane, every other module in a second lane; the linters (32 s of one
+# core) run in the first lane's slot after its tests, since the second lane ends about 2
+# minutes later and linters started beside both slowed both. Each lane's torch takes one thread (OMP_NUM_THREADS=1, inherited by the servers it
 # starts, as Ray gives a one-CPU actor): two processes with two OpenMP threads each spin-wait
 # on each other's cores. (pytest-xdist was tried: --dist loadfile ran two deployments side by
 # side, whose restart and heartbeat waits stretched, 12m12s against 12m57s in one process; its
@@ -32,17 +33,15 @@ unset PYTHONDONTWRITEBYTECODE
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
-make --no-print-directory lint VENV="$VENV" >"$logs/lint" 2>&1 &
-lint_pid=$!
 "$VENV/bin/pytest" -q -ra -p no:cacheprovider --basetemp="$logs/tmp" -m "not processes" "$@" \
     >"$logs/lane" 2>&1 &
 lane_pid=$!
 "$VENV/bin/pytest" -q -ra -m processes "$@"
 processes_rc=$?
+make --no-print-directory lint VENV="$VENV" >"$logs/lint" 2>&1
+lint_rc=$?
 wait "$lane_pid"
 lane_rc=$?
-wait "$lint_pid"
-lint_rc=$?
 echo "--- beside it: every other module ---"
 cat "$logs/lane"
 echo "--- beside it: ruff, mypy, check_layout ---"
