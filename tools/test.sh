@@ -7,8 +7,8 @@
 # servers, Ray clusters or worker processes (marker `processes`, tests/conftest.py) run one
 # after another in one lane, every other module in a second lane; the linters (32 s of one
 # core) run in the first lane's slot after its tests, since the second lane ends about 2
-# minutes later and linters started beside both slowed both. Each lane's torch takes one thread (OMP_NUM_THREADS=1, inherited by the servers it
-# starts, as Ray gives a one-CPU actor): two processes with two OpenMP threads each spin-wait
+# minutes later and linters started beside both slowed both. Each lane's torch takes one
+# thread (OMP_NUM_THREADS=1, inherited by the servers it starts, as Ray gives a one-CPU actor): two processes with two OpenMP threads each spin-wait
 # on each other's cores. (pytest-xdist was tried: --dist loadfile ran two deployments side by
 # side, whose restart and heartbeat waits stretched, 12m12s against 12m57s in one process; its
 # loadgroup does not group under pytest 9.2.) The second lane's and the linters' output
