@@ -2,18 +2,19 @@
 # `make test`: the linters, the type check and the whole suite, in two pytest processes side
 # by side.
 #
-# In one process the suite used about 1.1 of the 2 cores: the server tests wait on processes
-# and sockets, the kernel tests run Triton's interpreter on one core. So the modules that start
+# In one process the suite used about 1.1 of the 2 cores: the server tests wait on processes and
+# sockets, the kernel tests run Triton's interpreter on one core. So the modules that start
 # servers, Ray clusters or worker processes (marker `processes`, tests/conftest.py) run one
-# after another in one lane, every other module in a second lane; the linters (32 s of one
-# core) run in the first lane's slot after its tests, since the second lane ends about 2
-# minutes later and linters started beside both slowed both. Each lane's torch takes one
-# thread (OMP_NUM_THREADS=1, inherited by the servers it starts, as Ray gives a one-CPU actor): two processes with two OpenMP threads each spin-wait
-# on each other's cores. (pytest-xdist was tried: --dist loadfile ran two deployments side by
-# side, whose restart and heartbeat waits stretched, 12m12s against 12m57s in one process; its
-# loadgroup does not group under pytest 9.2.) The second lane's and the linters' output
-# follows the first's. Extra arguments go to both lanes (e.g. -x, -k, a file: a lane left with
-# no test counts as passed); PYTEST_ADDOPTS reaches them too.
+# after another in one lane, every other module in a second lane; the linters (32 s of one core)
+# run in the first lane's slot after its tests, since the second lane ends about 2 minutes later
+# and linters started beside both slowed both. Each lane's torch takes one thread
+# (OMP_NUM_THREADS=1, inherited by the servers it starts, as Ray gives a one-CPU actor): two
+# processes with two OpenMP threads each spin-wait on each other's cores. (pytest-xdist was
+# tried: --dist loadfile ran two deployments side by side, whose restart and heartbeat waits
+# stretched, 12m12s against 12m57s in one process; its loadgroup does not group under pytest
+# 9.2.) The second lane's and the linters' output follows the first's. Extra arguments go to
+# both lanes (e.g. -x, -k, a file: a lane left with no test counts as passed); PYTEST_ADDOPTS
+# reaches them too.
 #
 # Every Python process of the suite (the lanes, each server, each Ray worker and agent, each
 # restarted worker) imports torch, Ray and the rest: about 3,500 modules. `make install` writes
