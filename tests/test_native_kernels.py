@@ -267,12 +267,20 @@ def test_a_sequences_attention_is_the_same_bits_alone_and_in_a_batch(one_thread:
         assert torch.equal(attend(slice(i, i + 1))[0], batch[i]), f"sequence {i}"
 
 
-def test_build_caches_the_library_by_source(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    first = build.build(tmp_path)
-    assert first.exists() and first.parent.parent == tmp_path
+def test_build_caches_the_library_by_source(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The suite's own build (the cache that every native test loads from) is found again,
+    not rebuilt; other flags (as an edited source) key another folder. Compiling into a
+    fresh folder took 16 s of the suite; the first native test of a fresh clone does that."""
+    first = build.build()
+    assert first.exists() and first.parent.parent == build.cache_root()
     stamp = first.stat().st_mtime_ns
-    assert build.build(tmp_path) == first
+    assert build.build() == first
     assert first.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    compiler = build._compiler()
+    assert compiler is not None
+    key = build._build_key(compiler)
+    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-DSPLITSERVE_OTHER"])
+    assert build._build_key(compiler) != key
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
