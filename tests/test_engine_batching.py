@@ -76,3 +76,28 @@ def test_kv_pool_too_small_preempts_and_every_request_finishes_unchanged(
     assert all(o.finished and len(o.outputs[0].token_ids) == 48 for o in small)
     assert _token_ids(small) == _token_ids(large)
     assert tiny.engine.stats().num_free_blocks == 24
+
+
+def test_a_cpu_kv_pool_is_zero_and_costs_memory_only_where_written() -> None:
+    """A large CPU pool lies in lazily zeroed anonymous memory (model_runner.zeroed): it reads
+    as zeros, takes writes, and its untouched pages are not resident."""
+    import os
+
+    import torch
+
+    from splitserve.engine.model_runner import LAZY_ZERO_BYTES, zeroed
+
+    def resident_kib() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+    before = resident_kib()
+    pool = zeroed((64, 16, 2, 8, 1024), torch.float32, torch.device("cpu"))  # 512 MiB
+    assert pool.numel() * 4 >= LAZY_ZERO_BYTES
+    pool[3, 5] = 1.5
+    assert float(pool[3, 5].sum()) == 1.5 * 2 * 8 * 1024
+    assert not pool[:3].any() and not pool[4:].any()
+    grown_kib = resident_kib() - before
+    assert grown_kib < 16 << 10, f"{grown_kib} KiB resident for a 512 MiB pool"
+    small = zeroed((4, 4), torch.float16, torch.device("cpu"))
+    assert small.dtype == torch.float16 and not small.any()

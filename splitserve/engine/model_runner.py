@@ -395,4 +395,5 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < LAZY_ZERO_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # plain process memory, not shared
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=private), dtype=dtype).view(shape)
