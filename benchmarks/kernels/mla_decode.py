@@ -44,13 +44,23 @@ def time_us(fn: Any, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def one(batch: int, context: int) -> dict[str, Any]:
+def case(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+    """(query, latent cache, block tables, context lengths) of random bf16 values, every
+    sequence ``context`` tokens long in scattered blocks."""
     blocks = -(-context // BLOCK_SIZE)
     cache = torch.randn(batch * blocks + 1, BLOCK_SIZE, 1, LORA + ROPE, device=DEV).bfloat16()
     tables = torch.randperm(batch * blocks, device=DEV).view(batch, blocks)
     lens = torch.full((batch,), context, device=DEV)
     query = torch.randn(batch, HEADS, LORA + ROPE, device=DEV).bfloat16()
-    scale = (128 + ROPE) ** -0.5
+    return query, cache, tables, lens
+
+
+SCALE = (128 + ROPE) ** -0.5
+
+
+def one(batch: int, context: int) -> dict[str, Any]:
+    query, cache, tables, lens = case(batch, context)
+    scale = SCALE
     got = mla_decode_attention(query, cache, tables, lens, scale, LORA)
     ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
     err = float((got.float() - ref).abs().max())
@@ -73,12 +83,8 @@ def one(batch: int, context: int) -> dict[str, Any]:
 def sweep(batch: int, context: int, heads: str, warps: str, tokens: str) -> list[dict[str, Any]]:
     """The kernel's time at each tile shape (heads a program, warps, tokens a tile) on one
     case; a shape Triton cannot compile (too much shared memory) is left out."""
-    blocks = -(-context // BLOCK_SIZE)
-    cache = torch.randn(batch * blocks + 1, BLOCK_SIZE, 1, LORA + ROPE, device=DEV).bfloat16()
-    tables = torch.randperm(batch * blocks, device=DEV).view(batch, blocks)
-    lens = torch.full((batch,), context, device=DEV)
-    query = torch.randn(batch, HEADS, LORA + ROPE, device=DEV).bfloat16()
-    scale = (128 + ROPE) ** -0.5
+    query, cache, tables, lens = case(batch, context)
+    scale = SCALE
     ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
     read = batch * context * (LORA + ROPE) * 2
     rows = []
