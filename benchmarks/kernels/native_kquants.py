@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from benchmarks.kernels.native_blocks import time_us
 from splitserve.bench.report import git_commit
 from splitserve.engine.gguf_file import read_gguf
 from splitserve.engine.loader import resolve_model
@@ -33,7 +33,6 @@ from splitserve.kernels.native.blocks import (
     Q4_1,
     Q8_0,
     best_isa,
-    block_matmul,
     in_features,
     to_q8_0,
 )
@@ -72,18 +71,6 @@ def as_q4_1(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(quantize(weights, GGMLQuantizationType.Q4_1).copy())
 
 
-def time_us(x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str, calls: int,
-            repeats: int) -> float:  # fmt: skip
-    block_matmul(x, blocks, qtype, isa)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            block_matmul(x, blocks, qtype, isa)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,32")
@@ -100,8 +87,8 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             for isa in isas:
-                us = time_us(x, blocks, qtype, isa, calls, args.repeats)
-                base = time_us(x, q4_1, Q4_1, isa, calls, args.repeats)
+                us = time_us(x, blocks, qtype, isa, None, calls, args.repeats)
+                base = time_us(x, q4_1, Q4_1, isa, None, calls, args.repeats)
                 rate, base_rate = blocks.numel() / us / 1e3, q4_1.numel() / base / 1e3
                 results.append({"shape": name, "N": n, "K": k, "type": NAMES[qtype],
                                 "rows": rows, "isa": isa, "us": us, "gb_per_s": rate,

@@ -89,6 +89,46 @@ void splitserve_avx2_range(int qtype, const float *x, int64_t M, int64_t K, cons
                            int64_t n0, int64_t n1, float *out, int64_t N);
 void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
                              int64_t n0, int64_t n1, float *out, int64_t N);
+/* An instruction set's block products over outputs [n0, n1) (blocks_avx2.c, blocks_avx512.c):
+ * per type, passes PASS(qtype, x, m0, MT, K, w, n0, n1, out, N) over 8 rows of x at a time and
+ * one over the rest, MT a constant in each call so that every row count compiles on its own;
+ * RANGE(qtype, ...) picks the type's. ATTR: the instruction set's target attribute. */
+#define BLOCK_TILES(ATTR, PASS, Q)                                                      \
+    ATTR static void tiles_##Q(const float *x, int64_t M, int64_t K, const uint8_t *w,  \
+                               int64_t n0, int64_t n1, float *out, int64_t N) {         \
+        int64_t m = 0;                                                                  \
+        for (; m + 8 <= M; m += 8) PASS(Q, x, m, 8, K, w, n0, n1, out, N);              \
+        switch (M - m) {                                                                \
+        case 7: PASS(Q, x, m, 7, K, w, n0, n1, out, N); break;                          \
+        case 6: PASS(Q, x, m, 6, K, w, n0, n1, out, N); break;                          \
+        case 5: PASS(Q, x, m, 5, K, w, n0, n1, out, N); break;                          \
+        case 4: PASS(Q, x, m, 4, K, w, n0, n1, out, N); break;                          \
+        case 3: PASS(Q, x, m, 3, K, w, n0, n1, out, N); break;                          \
+        case 2: PASS(Q, x, m, 2, K, w, n0, n1, out, N); break;                          \
+        case 1: PASS(Q, x, m, 1, K, w, n0, n1, out, N); break;                          \
+        default: break;                                                                 \
+        }                                                                               \
+    }
+#define BLOCK_PRODUCTS(ATTR, PASS, RANGE)                                               \
+    BLOCK_TILES(ATTR, PASS, Q4_0)                                                       \
+    BLOCK_TILES(ATTR, PASS, Q4_1)                                                       \
+    BLOCK_TILES(ATTR, PASS, Q5_0)                                                       \
+    BLOCK_TILES(ATTR, PASS, Q8_0)                                                       \
+    BLOCK_TILES(ATTR, PASS, Q4_K)                                                       \
+    BLOCK_TILES(ATTR, PASS, Q6_K)                                                       \
+    void RANGE(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,      \
+               int64_t n0, int64_t n1, float *out, int64_t N) {                         \
+        switch (qtype) {                                                                \
+        case Q4_0: tiles_Q4_0(x, M, K, w, n0, n1, out, N); break;                       \
+        case Q4_1: tiles_Q4_1(x, M, K, w, n0, n1, out, N); break;                       \
+        case Q5_0: tiles_Q5_0(x, M, K, w, n0, n1, out, N); break;                       \
+        case Q8_0: tiles_Q8_0(x, M, K, w, n0, n1, out, N); break;                       \
+        case Q4_K: tiles_Q4_K(x, M, K, w, n0, n1, out, N); break;                       \
+        case Q6_K: tiles_Q6_K(x, M, K, w, n0, n1, out, N); break;                       \
+        default: break;                                                                 \
+        }                                                                               \
+    }
+
 /* The many-row product on the interleaved copy (blocks_interleaved.c describes the layout):
  * outputs [32 pair, 32 pair + 32) of out[M, N]. AVX-512 only; Q4_0, Q4_1, Q8_0. */
 void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t K,

@@ -188,41 +188,7 @@ INLINE void tile_avx2(int qtype, const float *x, int64_t m0, const int MT, int64
     }
 }
 
-#define TILES(Q)                                                                    \
-    AVX2 static void tiles_##Q(const float *x, int64_t M, int64_t K, const uint8_t *w, \
-                               int64_t n0, int64_t n1, float *out, int64_t N) {     \
-        int64_t m = 0;                                                              \
-        for (; m + 8 <= M; m += 8) tile_avx2(Q, x, m, 8, K, w, n0, n1, out, N);     \
-        switch (M - m) {                                                            \
-        case 7: tile_avx2(Q, x, m, 7, K, w, n0, n1, out, N); break;                 \
-        case 6: tile_avx2(Q, x, m, 6, K, w, n0, n1, out, N); break;                 \
-        case 5: tile_avx2(Q, x, m, 5, K, w, n0, n1, out, N); break;                 \
-        case 4: tile_avx2(Q, x, m, 4, K, w, n0, n1, out, N); break;                 \
-        case 3: tile_avx2(Q, x, m, 3, K, w, n0, n1, out, N); break;                 \
-        case 2: tile_avx2(Q, x, m, 2, K, w, n0, n1, out, N); break;                 \
-        case 1: tile_avx2(Q, x, m, 1, K, w, n0, n1, out, N); break;                 \
-        default: break;                                                             \
-        }                                                                           \
-    }
-TILES(Q4_0)
-TILES(Q4_1)
-TILES(Q5_0)
-TILES(Q8_0)
-TILES(Q4_K)
-TILES(Q6_K)
-
-void splitserve_avx2_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                           int64_t n0, int64_t n1, float *out, int64_t N) {
-    switch (qtype) {
-    case Q4_0: tiles_Q4_0(x, M, K, w, n0, n1, out, N); break;
-    case Q4_1: tiles_Q4_1(x, M, K, w, n0, n1, out, N); break;
-    case Q5_0: tiles_Q5_0(x, M, K, w, n0, n1, out, N); break;
-    case Q8_0: tiles_Q8_0(x, M, K, w, n0, n1, out, N); break;
-    case Q4_K: tiles_Q4_K(x, M, K, w, n0, n1, out, N); break;
-    case Q6_K: tiles_Q6_K(x, M, K, w, n0, n1, out, N); break;
-    default: break;
-    }
-}
+BLOCK_PRODUCTS(AVX2, tile_avx2, splitserve_avx2_range)
 
 #else /* not x86-64: splitserve_block_matmul never asks for AVX2 */
 void splitserve_avx2_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,

@@ -151,47 +151,13 @@ INLINE void rows(int qtype, const float *x, int64_t m0, const int MT, int64_t K,
     }
 }
 
-#define TILES(Q)                                                                        \
-    AVX512 static void tiles_##Q(const float *x, int64_t M, int64_t K, const uint8_t *w, \
-                                 int64_t n0, int64_t n1, float *out, int64_t N) {       \
-        int64_t m = 0;                                                                  \
-        for (; m + 8 <= M; m += 8) rows(Q, x, m, 8, K, w, n0, n1, out, N);              \
-        switch (M - m) {                                                                \
-        case 7: rows(Q, x, m, 7, K, w, n0, n1, out, N); break;                          \
-        case 6: rows(Q, x, m, 6, K, w, n0, n1, out, N); break;                          \
-        case 5: rows(Q, x, m, 5, K, w, n0, n1, out, N); break;                          \
-        case 4: rows(Q, x, m, 4, K, w, n0, n1, out, N); break;                          \
-        case 3: rows(Q, x, m, 3, K, w, n0, n1, out, N); break;                          \
-        case 2: rows(Q, x, m, 2, K, w, n0, n1, out, N); break;                          \
-        case 1: rows(Q, x, m, 1, K, w, n0, n1, out, N); break;                          \
-        default: break;                                                                 \
-        }                                                                               \
-    }
-TILES(Q4_0)
-TILES(Q4_1)
-TILES(Q5_0)
-TILES(Q8_0)
-TILES(Q4_K)
-TILES(Q6_K)
-
 int splitserve_has_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
 }
 
-void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                             int64_t n0, int64_t n1, float *out, int64_t N) {
-    switch (qtype) {
-    case Q4_0: tiles_Q4_0(x, M, K, w, n0, n1, out, N); break;
-    case Q4_1: tiles_Q4_1(x, M, K, w, n0, n1, out, N); break;
-    case Q5_0: tiles_Q5_0(x, M, K, w, n0, n1, out, N); break;
-    case Q8_0: tiles_Q8_0(x, M, K, w, n0, n1, out, N); break;
-    case Q4_K: tiles_Q4_K(x, M, K, w, n0, n1, out, N); break;
-    case Q6_K: tiles_Q6_K(x, M, K, w, n0, n1, out, N); break;
-    default: break;
-    }
-}
+BLOCK_PRODUCTS(AVX512, rows, splitserve_avx512_range)
 
 #else /* not x86-64: no AVX-512, and splitserve_block_matmul never asks for it */
 int splitserve_has_avx512(void) { return 0; }
