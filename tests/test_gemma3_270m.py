@@ -128,3 +128,28 @@ def test_gemma3_270m_chats_in_gemma_turns_ending_at_end_of_turn(gemma: LLM) -> N
         "<start_of_turn>model\nBlue.<end_of_turn>\n<start_of_turn>user\nAnother?<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
+
+
+@pytest.mark.slow
+def test_gemma3_270m_native_stack_equals_its_modules_exactly(gemma: LLM) -> None:
+    """Decode steps run the whole stack in one native call (windows, q/k norms, post-norms,
+    GeGLU): the same tokens and logprobs as the modules making those calls one by one, on a
+    prompt past its 512-token window beside a short one."""
+    model = gemma.engine.runner.model
+    fast = model.native_decode
+    assert fast is not None
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    past_window = STORY[: STORY.index("Day 42:")]  # 604 tokens
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        outs = [o.outputs[0] for o in gemma.generate([past_window, TEXTS[0]], params)]
+        steps = [[e.logprob for step in o.logprobs or [] for e in step.values()] for o in outs]
+        return [(o.token_ids, lp) for o, lp in zip(outs, steps, strict=True)]
+
+    with_stack = run()
+    model.native_decode = None
+    try:
+        with_modules = run()
+    finally:
+        model.native_decode = fast
+    assert with_stack == with_modules

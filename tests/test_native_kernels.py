@@ -218,13 +218,16 @@ def one_thread() -> Iterator[None]:
     [(6, 2, 32), (9, 3, 64), (8, 1, 128), (4, 2, 48), (10, 2, 40), (2, 2, 320)],
     ids=["g3-d32", "smollm2-g3-d64", "g8-d128", "g2-d48", "g5-d40-any", "g1-d320"],
 )
+@pytest.mark.parametrize("window", [None, 20], ids=["whole", "window-20"])
 def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
-    context_lens: list[int], shape: tuple[int, int, int], one_thread: None
+    context_lens: list[int], shape: tuple[int, int, int], window: int | None, one_thread: None
 ) -> None:
     """Query heads per KV head and head sizes: the V sum's unrolled shapes (SmolLM2's), its
     general loop (by two heads and four 16-float slices), and a head size not a multiple of
-    16 (attend_any)."""
+    16 (attend_any); each over the whole context and over a sliding window of 20 tokens
+    (Gemma 3's local layers), which starts inside a block."""
     backend, qkv, positions, rotary, cache, meta = _decode_case(context_lens, shape=shape)
+    backend = backend.configured(None, window)
     ref_cache = cache.clone()
     native.set_native_enabled(False)
     try:

@@ -30,5 +30,7 @@ def clipped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if native.use_native(x):
+        return native.gelu_tanh_and_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

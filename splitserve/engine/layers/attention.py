@@ -128,14 +128,13 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = meta.num_decode_tokens
-        windowed = self.sliding_window is not None  # the native kernel attends to everything
-        if windowed or not (n and native.use_native(qkv) and k_cache.is_contiguous()):
+        if not (n and native.use_native(qkv) and k_cache.is_contiguous()):
             return super().forward_qkv(qkv, positions, rotary, k_cache, v_cache, meta)
         out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
         native.decode_attention(
             qkv[:n], positions[:n], rotary.cos, rotary.sin, k_cache, v_cache,
             meta.slot_mapping[:n], meta.decode_block_tables, meta.decode_context_lens,
-            self.num_heads, self.scale, out[:n],
+            self.num_heads, self.scale, out[:n], self.sliding_window,
         )  # fmt: skip
         if qkv.shape[0] > n:
             q, k, v = self.rotated_qkv(qkv[n:], positions[n:], rotary)

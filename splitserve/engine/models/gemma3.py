@@ -6,9 +6,9 @@ final logit softcapping; tied embeddings.
 
 Gemma's RMSNorm multiplies by (1 + weight): the checkpoint's norm weights are loaded plus one
 (in float32, as transformers adds them), and every norm is then the plain RMSNorm with its
-fused kernels. Every layer keeps its whole context in the KV cache; the local layers read only
-their window of it. The model always runs its layers through the modules: the whole-stack
-native decode (``layers/native_decode.py``) knows no window and no post-norms.
+fused kernels. The local layers keep only their window in a KV cache group of their own
+(``kv_cache_groups``). On the CPU, steps of decode tokens run the whole stack in one native
+call (``layers/native_decode.py``: windows, q/k norms, post-norms and GeGLU included).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from splitserve.engine.models.qwen3 import Qwen3Attention
 
 
 class GeGLU(LlamaMLP):
+    activation = "gelu_tanh"
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +97,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise ValueError("Gemma3ForCausalLM reads text only")
         x = self.embed_tokens(input_ids)
         x, residual = x * self.embed_scale.to(x.dtype), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, meta)
+        if self.native_decode is not None and self.native_decode.takes(x, meta):
+            x, residual = self.native_decode.run(x, positions, meta)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, meta)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def kv_cache_groups(self) -> list[KVCacheGroup]:

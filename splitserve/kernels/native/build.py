@@ -116,44 +116,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.splitserve_add_rms_norm.restype = None
     lib.splitserve_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.splitserve_silu_and_mul.restype = None
+    lib.splitserve_gelu_tanh_and_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.splitserve_gelu_tanh_and_mul.restype = None
+    # qkv, B, H, Hkv, D, positions, cos, sin, k_cache, v_cache, block_size, slots,
+    # block_tables, max_blocks, context_lens, scale, window, out
     lib.splitserve_decode_attention.argtypes = [
-        ptr,
-        i64,
-        i32,
-        i32,
-        i32,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        f32,
-        ptr,
+        *(ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr),
+        *(f32, i64, ptr),
     ]
     lib.splitserve_decode_attention.restype = i32
+    # x, residual, B, layers, ints, types, dims, groups, eps, scale, positions, scratch, isa
     lib.splitserve_decode_layers.argtypes = [
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        f32,
-        f32,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i32,
+        *(ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i32)
     ]
     lib.splitserve_decode_layers.restype = i32
     # q, k, v, L, T, H, Hkv, D, scale, out

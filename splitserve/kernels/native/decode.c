@@ -177,7 +177,8 @@ INLINE void vsum_any(const float *p, int64_t pstride, int G, int C, const float 
     }
 }
 
-/* Attention of one sequence's query heads over its cached context for KV heads g0 to g1 - 1
+/* Attention of one sequence's query heads over its cached tokens start to context - 1 (start
+ * past 0 for a sliding window) for KV heads g0 to g1 - 1
  * (D a multiple of 16; q and out [(g1 - g0) * group, D], scores (g1 - g0) * group * context
  * floats). Walks the block table a block at a time: each cached K row is scored against
  * every query head of those KV heads while it is loaded, then the softmax of each head, then
@@ -190,23 +191,24 @@ INLINE void vsum_any(const float *p, int64_t pstride, int G, int C, const float 
  * SmolLM2) took half of it again. */
 CLONES static void attend(const float *q, int group, int D, const float *k_cache,
                           const float *v_cache, int64_t Hkv, int g0, int g1,
-                          int64_t block_size, const int64_t *table, int64_t context,
-                          float scale, float *scores, float *out) {
+                          int64_t block_size, const int64_t *table, int64_t start,
+                          int64_t context, float scale, float *scores, float *out) {
     const int C = D / 16, heads = (g1 - g0) * group;
     const int64_t stride = Hkv * D, base = (int64_t)g0 * D;
     const int lines = (g1 - g0) * C;  /* 64-byte lines of a row that are read */
-    if (context <= 0) {  /* no cached token: zeros, as a sum over nothing */
+    if (context <= start) {  /* no cached token: zeros, as a sum over nothing */
         for (int64_t i = 0; i < (int64_t)heads * D; i++) out[i] = 0.0f;
         return;
     }
+    const int64_t first = start / block_size;
     float best[heads], total[heads];
     for (int h = 0; h < heads; h++) best[h] = -INFINITY, total[h] = 0.0f;
-    for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
+    for (int64_t blk = first, t0 = first * block_size; t0 < context; t0 += block_size, blk++) {
         int64_t n = context - t0 < block_size ? context - t0 : block_size;
         const float *kb = k_cache + table[blk] * block_size * stride + base;
         const float *next = next_rows(k_cache, table, blk + 1, t0 + block_size, context,
                                       block_size, stride, base);
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = t0 < start ? start - t0 : 0; i < n; i++) {
             prefetch_rows(next, i, i + 1, stride, lines);
             for (int h = 0; h < heads; h++) {
                 float s = dot16(q + h * D, kb + i * stride + (h / group) * D, C) * scale;
@@ -215,11 +217,12 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
             }
         }
     }
-    prefetch_block(v_cache, table, 0, 0, context, block_size, stride, base, lines);
+    prefetch_block(v_cache, table, first, first * block_size, context, block_size, stride, base,
+                   lines);
     for (int h = 0; h < heads; h++) {
         float *sh = scores + h * context;
         v16 sums = {0};
-        int64_t t = 0;
+        int64_t t = start;
         for (; t + 16 <= context; t += 16) {
             v16 e = exp16(load16(sh + t) - best[h]);
             __builtin_memcpy(sh + t, &e, sizeof e);
@@ -230,18 +233,20 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
             total[h] += sh[t];
         }
         total[h] += hsum16(sums);
-        for (t = 0; t < context; t++) sh[t] = sh[t] / total[h];
+        for (t = start; t < context; t++) sh[t] = sh[t] / total[h];
     }
-    for (int64_t t0 = 0, blk = 0; t0 < context; t0 += block_size, blk++) {
+    for (int64_t blk = first, t0 = first * block_size; t0 < context; t0 += block_size, blk++) {
         int64_t n = context - t0 < block_size ? context - t0 : block_size;
-        const float *vb = v_cache + table[blk] * block_size * stride + base;
+        int64_t i0 = t0 < start ? start - t0 : 0;  /* rows of the block before the window */
+        const float *vb = v_cache + table[blk] * block_size * stride + base + i0 * stride;
         const float *next = next_rows(v_cache, table, blk + 1, t0 + block_size, context,
                                       block_size, stride, base);
         for (int g = 0, G = g1 - g0; g < G; g++) {
             /* the next block's rows asked for a share before each KV head's sums */
             prefetch_rows(next, g * block_size / G, (g + 1) * block_size / G, stride, lines);
-            vsum_any(scores + (int64_t)g * group * context + t0, context, group, C,
-                     vb + (int64_t)g * D, stride, n, out + (int64_t)g * group * D, blk == 0);
+            vsum_any(scores + (int64_t)g * group * context + t0 + i0, context, group, C,
+                     vb + (int64_t)g * D, stride, n - i0, out + (int64_t)g * group * D,
+                     blk == first);
         }
     }
 }
@@ -249,23 +254,23 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
 /* The same for any D, one cached token at a time. */
 static void attend_any(const float *q, int group, int D, const float *k_cache,
                        const float *v_cache, int64_t Hkv, int g, int64_t block_size,
-                       const int64_t *table, int64_t context, float scale, float *scores,
-                       float *out) {
+                       const int64_t *table, int64_t start, int64_t context, float scale,
+                       float *scores, float *out) {
     for (int h = 0; h < group; h++) {
         const float *qh = q + h * D;
         float best = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < context; t++) {
+        for (int64_t t = start; t < context; t++) {
             const float *k = k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + g) * D;
             scores[t] = dot(qh, k, D) * scale;
             if (scores[t] > best) best = scores[t];
         }
-        for (int64_t t = 0; t < context; t++) {
+        for (int64_t t = start; t < context; t++) {
             scores[t] = expf(scores[t] - best);
             total += scores[t];
         }
         float *oh = out + h * D;
         for (int i = 0; i < D; i++) oh[i] = 0.0f;
-        for (int64_t t = 0; t < context; t++) {
+        for (int64_t t = start; t < context; t++) {
             const float *v = v_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + g) * D;
             axpy(scores[t] / total, v, oh, D);
         }
@@ -275,14 +280,15 @@ static void attend_any(const float *q, int group, int D, const float *k_cache,
 /* qkv [B, (H + 2 Hkv) D] of B decode tokens, before rotary -> out [B, H D].
  * Rotates q and k at positions[b] (cos/sin tables [max_positions, D]), writes k and v to
  * slots[b] of the paged caches [blocks, block_size, Hkv, D] (a negative slot is padding and
- * is not written), then attends over the first context_lens[b] tokens of block_tables[b].
- * Returns 0, or -1 when scratch memory cannot be had. */
+ * is not written), then attends over the first context_lens[b] tokens of block_tables[b], or
+ * over their last window (window > 0; a Gemma 3 local layer's). Returns 0, or -1 when scratch
+ * memory cannot be had. */
 int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int D,
                                 const int64_t *positions, const float *cos, const float *sin,
                                 float *k_cache, float *v_cache, int64_t block_size,
                                 const int64_t *slots, const int64_t *block_tables,
                                 int64_t max_blocks, const int64_t *context_lens, float scale,
-                                float *out) {
+                                int64_t window, float *out) {
     int64_t width = (int64_t)(H + 2 * Hkv) * D;
     int group = H / Hkv, failed = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -311,7 +317,8 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             if (failed) continue;
-            int64_t b = task / (Hkv / per);
+            int64_t b = task / (Hkv / per), context = context_lens[b];
+            int64_t start = window > 0 && context > window ? context - window : 0;
             int g0 = (int)(task % (Hkv / per) * per), g1 = g0 + (int)per;
             const float *row = qkv + b * width;
             const float *c = cos + positions[b] * D, *s = sin + positions[b] * D;
@@ -322,11 +329,11 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
             float *o = out + b * (int64_t)H * D + (int64_t)g0 * group * D;
             const int64_t *table = block_tables + b * max_blocks;
             if (D % 16)
-                attend_any(q, group, D, k_cache, v_cache, Hkv, g0, block_size, table,
-                           context_lens[b], scale, scores, o);
+                attend_any(q, group, D, k_cache, v_cache, Hkv, g0, block_size, table, start,
+                           context, scale, scores, o);
             else
-                attend(q, group, D, k_cache, v_cache, Hkv, g0, g1, block_size, table,
-                       context_lens[b], scale, scores, o);
+                attend(q, group, D, k_cache, v_cache, Hkv, g0, g1, block_size, table, start,
+                       context, scale, scores, o);
         }
         free(scores);
         free(q);
@@ -334,60 +341,118 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
     return failed ? -1 : 0;
 }
 
+/* x [M, 2I] = gate | up -> out [M, I] = gelu(gate) * up with GELU's tanh approximation,
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Gemma's GeGLU), 16 lanes at a time:
+ * tanh(u) = sign(u) (1 - e) / (1 + e) with e = e^(-2 |u|). */
+CLONES void splitserve_gelu_tanh_and_mul(const float *x, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = x + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16 gv = load16(g + i);
+            v16 arg = 0.7978845608f * (gv + 0.044715f * gv * gv * gv);
+            vi16 negative = arg < 0.0f;
+            v16 magnitude = (v16)(((vi16)(-arg) & negative) | ((vi16)arg & ~negative));
+            v16 e = exp16(-2.0f * magnitude);
+            v16 t = (1.0f - e) / (1.0f + e);
+            t = (v16)(((vi16)(-t) & negative) | ((vi16)t & ~negative));
+            store16(o + i, 0.5f * gv * (1.0f + t) * load16(u + i));
+        }
+        for (; i < I; i++) {
+            float arg = 0.7978845608f * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+            o[i] = 0.5f * g[i] * (1.0f + tanhf(arg)) * u[i];
+        }
+    }
+}
+
 /* ---- every decoder layer of a Llama-family model for B decode tokens, one call ---- */
 int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64_t K,
                             const uint8_t *w, const uint8_t *il, int64_t N, float *out);
 
+/* Per layer, W_COUNT addresses: the four projections' GGUF blocks, the norms before attention
+ * and MLP, the K and V caches, the projections' interleaved copies (or 0), then what some
+ * families add (0 where absent): RMSNorms over each query and key head (Qwen3, Gemma 3), norms
+ * of the attention's and the MLP's outputs (Gemma 3), and the layer's rotary tables (cos, sin
+ * [max_positions, D]: Gemma 3's local layers have their own base). */
 enum {
     W_QKV, W_O, W_GATE_UP, W_DOWN, W_LN1, W_LN2, W_K_CACHE, W_V_CACHE,
-    IL_QKV, IL_O, IL_GATE_UP, IL_DOWN, W_COUNT
+    IL_QKV, IL_O, IL_GATE_UP, IL_DOWN, W_Q_NORM, W_K_NORM, W_POST_ATTN, W_POST_MLP, W_COS, W_SIN,
+    W_COUNT
 };
-enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK, D_LAYERS, D_COUNT };
+/* Per layer, L_COUNT integers: the KV cache group whose rows it reads, its sliding window (0:
+ * none), its cache's block size, its MLP's activation (0 SiLU, 1 GELU-tanh). */
+enum { L_GROUP, L_WINDOW, L_BLOCK, L_GELU, L_COUNT };
+/* Per KV cache group, G_COUNT addresses or sizes: the step's slots, block tables, the tables'
+ * width, context lengths (as splitserve_decode_attention takes them). */
+enum { G_SLOTS, G_TABLES, G_MAX_BLOCKS, G_LENS, G_COUNT };
+enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_COUNT };
+
+/* RMSNorm of each of n vectors of D floats at x, every stride floats, in place (tmp: n D). */
+static void norm_heads(float *x, int64_t B, int64_t stride, int64_t n, int64_t D,
+                       const float *weight, float eps, float *tmp) {
+    for (int64_t b = 0; b < B; b++)
+        splitserve_add_rms_norm(x + b * stride, NULL, weight, eps, n, D, x + b * stride, tmp);
+}
 
 /* x [B, hidden]: the embeddings, overwritten with the last layer's MLP output; residual
- * [B, hidden] receives the residual stream (the final norm adds the two). layers: W_COUNT
- * pointers per layer (the four projections' GGUF blocks, the two norms' weights, the layer's
- * K and V caches, the four projections' interleaved copies or 0); types: the four projections'
- * GGUF types per layer; dims: D_COUNT sizes.
- * scratch: B * (2 hidden + qkv width + H D + 3 I) floats. The per-step arguments are those of
- * splitserve_decode_attention, isa that of splitserve_block_matmul. Each step is the same
- * native call the modules make one by one (engine/layers/native_decode.py), so the results
- * equal theirs exactly. */
+ * [B, hidden] receives the residual stream (the final norm adds the two). layers, ints,
+ * groups: W_COUNT addresses and L_COUNT integers per layer, G_COUNT per KV cache group;
+ * types: the four projections' GGUF types per layer; dims: D_COUNT sizes.
+ * scratch: B * (3 hidden + qkv width + H D + 3 I) + H D floats. isa: that of
+ * splitserve_block_matmul. Each step is the native call the modules make (the norms, the
+ * products, splitserve_decode_attention, the activation), in the same order, so the results
+ * equal the module path's where it makes the same calls (engine/layers/native_decode.py). */
 int splitserve_decode_layers(float *x, float *residual, int64_t B, const uint64_t *layers,
-                             const int32_t *types, const int64_t *dims, float eps, float scale,
-                             const int64_t *positions, const float *cos, const float *sin,
-                             const int64_t *slots, const int64_t *block_tables,
-                             int64_t max_blocks, const int64_t *context_lens, float *scratch,
-                             int isa) {
+                             const int64_t *ints, const int32_t *types, const int64_t *dims,
+                             const uint64_t *groups, float eps, float scale,
+                             const int64_t *positions, float *scratch, int isa) {
     int64_t hidden = dims[D_HIDDEN], H = dims[D_HEADS], Hkv = dims[D_KV_HEADS];
     int64_t D = dims[D_HEAD_DIM], I = dims[D_INTER], width = (H + 2 * Hkv) * D;
     float *h = scratch, *qkv = h + B * hidden, *attn = qkv + B * width;
     float *gate_up = attn + B * H * D, *act = gate_up + B * 2 * I, *out = act + B * I;
+    float *tmp = out + B * hidden; /* B hidden + H D */
     for (int64_t l = 0; l < dims[D_LAYERS]; l++) {
         const uint64_t *p = layers + l * W_COUNT;
+        const int64_t *li = ints + l * L_COUNT;
+        const uint64_t *g = groups + li[L_GROUP] * G_COUNT;
         const int32_t *t = types + l * 4;
         splitserve_add_rms_norm(x, l ? residual : NULL, (const float *)p[W_LN1], eps, B, hidden,
                                 h, residual);
         if (splitserve_block_matmul(t[0], isa, h, B, hidden, (const uint8_t *)p[W_QKV],
                                     (const uint8_t *)p[IL_QKV], width, qkv))
             return -1;
-        if (splitserve_decode_attention(qkv, B, (int)H, (int)Hkv, (int)D, positions, cos, sin,
-                                        (float *)p[W_K_CACHE], (float *)p[W_V_CACHE],
-                                        dims[D_BLOCK], slots, block_tables, max_blocks,
-                                        context_lens, scale, attn))
+        if (p[W_Q_NORM]) {
+            norm_heads(qkv, B, width, H, D, (const float *)p[W_Q_NORM], eps, tmp);
+            norm_heads(qkv + H * D, B, width, Hkv, D, (const float *)p[W_K_NORM], eps, tmp);
+        }
+        if (splitserve_decode_attention(
+                qkv, B, (int)H, (int)Hkv, (int)D, positions, (const float *)p[W_COS],
+                (const float *)p[W_SIN], (float *)p[W_K_CACHE], (float *)p[W_V_CACHE],
+                li[L_BLOCK], (const int64_t *)g[G_SLOTS], (const int64_t *)g[G_TABLES],
+                (int64_t)g[G_MAX_BLOCKS], (const int64_t *)g[G_LENS], scale, li[L_WINDOW], attn))
             return -2;
         if (splitserve_block_matmul(t[1], isa, attn, B, H * D, (const uint8_t *)p[W_O],
                                     (const uint8_t *)p[IL_O], hidden, out))
             return -1;
+        if (p[W_POST_ATTN])
+            splitserve_add_rms_norm(out, NULL, (const float *)p[W_POST_ATTN], eps, B, hidden, out,
+                                    tmp);
         splitserve_add_rms_norm(out, residual, (const float *)p[W_LN2], eps, B, hidden, h,
                                 residual);
         if (splitserve_block_matmul(t[2], isa, h, B, hidden, (const uint8_t *)p[W_GATE_UP],
                                     (const uint8_t *)p[IL_GATE_UP], 2 * I, gate_up))
             return -1;
-        splitserve_silu_and_mul(gate_up, B, I, act);
+        if (li[L_GELU])
+            splitserve_gelu_tanh_and_mul(gate_up, B, I, act);
+        else
+            splitserve_silu_and_mul(gate_up, B, I, act);
         if (splitserve_block_matmul(t[3], isa, act, B, I, (const uint8_t *)p[W_DOWN],
                                     (const uint8_t *)p[IL_DOWN], hidden, x))
             return -1;
+        if (p[W_POST_MLP])
+            splitserve_add_rms_norm(x, NULL, (const float *)p[W_POST_MLP], eps, B, hidden, x, tmp);
     }
     return 0;
 }

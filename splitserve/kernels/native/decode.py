@@ -62,10 +62,19 @@ def add_rms_norm(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated(x, "splitserve_silu_and_mul")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated(x, "splitserve_gelu_tanh_and_mul")
+
+
+def _gated(x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """x [..., 2I] = gate | up -> [..., I]: the activation of gate times up (float32)."""
     x = x.contiguous()
     half = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], half)
-    _lib().splitserve_silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], half, out.data_ptr())
+    getattr(_lib(), kernel)(x.data_ptr(), x.numel() // x.shape[-1], half, out.data_ptr())
     return out
 
 
@@ -82,10 +91,11 @@ def decode_attention(
     num_heads: int,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     """Decode rows: qkv [B, (H + 2 Hkv) D] before rotary; writes rotated k and v to the caches
-    [blocks, block_size, Hkv, D] at slots, and attention over each row's context to out
-    [B, H, D] (contiguous)."""
+    [blocks, block_size, Hkv, D] at slots, and attention over each row's context (its last
+    ``window`` tokens where given) to out [B, H, D] (contiguous)."""
     _, block_size, kv_heads, dim = k_cache.shape
     tables = block_tables.to(torch.int64).contiguous()
     ints = [t.to(torch.int64).contiguous() for t in (positions, slots, context_lens)]
@@ -96,7 +106,7 @@ def decode_attention(
         ints[0].data_ptr(), cos.data_ptr(), sin.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), block_size,
         ints[1].data_ptr(), tables.data_ptr(), tables.shape[1], ints[2].data_ptr(),
-        scale, out.data_ptr(),
+        scale, window or 0, out.data_ptr(),
     )  # fmt: skip
     if code != 0:
         raise MemoryError("decode_attention: no scratch memory")
