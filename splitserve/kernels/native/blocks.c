@@ -28,6 +28,7 @@
  * rows), AVX2 (blocks_avx2.c), or portable C.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blocks.h"
@@ -151,15 +152,49 @@ static int interleavable(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || q
  * threads, 2.01 against 1.62 ms at 8; benchmarks/native_blocks.py). */
 static int interleaved_from(int qtype) { return qtype == Q8_0 ? 8 : 2; }
 
+/* Whether a one-row product of qtype takes 16-bit activations (blocks_row16.c): the types
+ * whose float32 dequantization costs more than their bytes take to arrive (Gemma 3's), on a
+ * CPU with AVX-512BW. Q4_0 and Q4_1 keep the float32 path, fast enough at one row. */
+static int row16(int qtype) {
+    static int bw = -1;
+    if (bw < 0) bw = splitserve_has_avx512bw();
+    return bw && (qtype == Q8_0 || qtype == Q5_0 || qtype == Q4_K || qtype == Q6_K);
+}
+
+static int one_row16(int qtype, const float *x, int64_t K, const uint8_t *w, int64_t N,
+                     float *out) {
+    int16_t *x16 = malloc(sizeof(int16_t) * (size_t)K);
+    float *sx = malloc(sizeof(float) * (size_t)(2 * (K / QK)));
+    if (!x16 || !sx) {
+        free(x16);
+        free(sx);
+        return -2;
+    }
+    splitserve_round_row16(x, K, x16, sx, sx + K / QK);
+    const int64_t chunk = 16;
+    int64_t chunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        splitserve_row16_range(qtype, x16, sx, sx + K / QK, K, w, n0, n1, out);
+    }
+    free(x16);
+    free(sx);
+    return 0;
+}
+
 /* out[M, N] = x[M, K] @ dequant(w[N, K]).T on the instruction set isa (0 portable, 1 AVX2,
  * 2 AVX-512), or the widest below it that this CPU runs. il: w's interleaved copy
  * (splitserve_interleave), or NULL.
- * Returns 0, or -1 for an unknown qtype or K not a multiple of its block's values. */
+ * Returns 0, -1 for an unknown qtype or K not a multiple of its block's values, -2 when
+ * scratch memory cannot be had. */
 int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64_t K,
                             const uint8_t *w, const uint8_t *il, int64_t N, float *out) {
     if (block_bytes(qtype) < 0 || K % block_values(qtype)) return -1;
     int best = splitserve_best_isa();
     isa = isa < best ? isa : best;
+    if (M == 1 && isa == ISA_AVX512 && row16(qtype))
+        return one_row16(qtype, x, K, w, N, out);
     if (isa == ISA_AVX512 && il && interleavable(qtype) && M >= interleaved_from(qtype)) {
         int64_t pairs = (N + 31) / 32;
 #pragma omp parallel for schedule(static)

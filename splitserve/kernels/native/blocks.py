@@ -8,6 +8,10 @@ widest instruction set the CPU has (AVX-512, AVX2, else portable C), or a narrow
 stack (``engine/layers/native_decode.py``) takes the same. ``dequantize_ref`` is the torch
 reference, the same float32 operations as gguf's numpy ``dequantize``, and
 ``block_matmul_ref`` multiplies by its result.
+
+A one-row product of Q8_0, Q5_0, Q4_K or Q6_K on AVX-512 (with BW) rounds its row to int16 in
+blocks of 32 values first (``blocks_row16.c``): each value to within 2^-15 of its block's
+largest (``rounds_one_row``, ``one_row_error_bound``); every other product takes x in float32.
 """
 
 from __future__ import annotations
@@ -58,6 +62,26 @@ def native_available() -> bool:
     return load() is not None
 
 
+ROUNDED_ONE_ROW = frozenset({Q8_0, Q5_0, Q4_K, Q6_K})
+
+
+def rounds_one_row(qtype: int, isa: str | None = None) -> bool:
+    """Whether a one-row product of qtype on isa (None: ``native_isa()``) here rounds its row
+    to 16 bits (``blocks_row16.c``)."""
+    lib = load()
+    if lib is None or qtype not in ROUNDED_ONE_ROW:
+        return False
+    level = min(ISAS.index(isa or native_isa()), best_isa())
+    return ISAS[level] == "avx512" and bool(lib.splitserve_has_avx512bw())
+
+
+def one_row_error_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The most a rounded one-row product x [K] @ weights [N, K].T can differ from the exact
+    one, rounding aside: sum_k |w[n, k]| * 2^-15 * max |x| over k's block of 32."""
+    block_max = x.abs().view(-1, QK).amax(dim=1).repeat_interleave(QK)
+    return weights.abs().double() @ (block_max.double() * 2.0**-15)
+
+
 def row_bytes(qtype: int, in_features: int) -> int:
     return in_features // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype]
 
@@ -91,6 +115,8 @@ def block_matmul(
     code = lib.splitserve_block_matmul(
         qtype, level, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), il, n, out.data_ptr()
     )
+    if code == -2:
+        raise MemoryError("block_matmul: no scratch memory")
     if code != 0:
         raise ValueError(f"block_matmul: unsupported type {qtype} or K {k}")
     return out

@@ -28,6 +28,7 @@ SOURCES = (
     "blocks_avx2.c",
     "blocks_avx512.c",
     "blocks_interleaved.c",
+    "blocks_row16.c",
     "decode.c",
     "prefill.c",
 )
@@ -109,6 +110,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.splitserve_dequant_rows.restype = None
     lib.splitserve_block_bytes.argtypes = [i32]
     lib.splitserve_block_bytes.restype = i32
+    lib.splitserve_has_avx512bw.argtypes = []
+    lib.splitserve_has_avx512bw.restype = i32
     lib.splitserve_best_isa.argtypes = []
     lib.splitserve_best_isa.restype = i32
     f32 = ctypes.c_float
