@@ -174,9 +174,18 @@ def test_cache_row_is_the_widest_layers(llm: LLM) -> None:
 
 
 def test_random_weight_shapes_generate_and_take_their_first_layers() -> None:
+    """shape:deepseek-v4-flash is transformers' default DeepseekV4Config (V4-Flash's published
+    sizes); its first layers keep their kinds and hash layers. At one layer it is still 7.5 B
+    parameters (256 experts of 3 x 2048 x 4096), no CPU test's: the tiny shape generates."""
+    from transformers import DeepseekV4Config
+
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.shapes import shape_config
 
+    published = ModelConfig.from_hf(DeepseekV4Config().to_dict())
+    assert shape_config("deepseek-v4-flash") == published
     flash = shape_config("deepseek-v4-flash?layers=4")
+    assert flash == ModelConfig.from_hf(DeepseekV4Config(num_hidden_layers=4).to_dict())
     assert flash.v4 is not None and flash.moe is not None
     assert (flash.num_layers, flash.v4.layer_kinds) == (4, ("hca", "hca", "hca", "csa"))
     assert flash.moe.hash_layers == (0, 1, 2)
