@@ -18,6 +18,7 @@ from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.v4_cache import cache_groups
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import Request
+from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 from tests.support.handoff import disaggregated
 from tests.support.reference import assert_greedy_equal, hf_continuation
 from tests.support.tiny_models import tiny_deepseek_v4
@@ -169,13 +170,23 @@ def test_exact_replay_of_a_reused_prefix_equals_the_uncached_run(
 
 
 def test_bounded_replay_computes_the_window_and_allowance_of_a_whole_entries_hit(
-    v4: tuple[Any, str],
+    v4: tuple[Any, str], smollm2_tokenizer: Any
 ) -> None:
     """The same hit with an allowance of 4: the 40 cached tokens (not 44: the HCA entry of
     tokens 40 .. 47 is not the new prompt's) less the window (8) and allowance are kept, the
-    other 33 computed; the cached entries are not written."""
+    other 33 computed; the cached entries are not written. Then the prompt's own 56 tokens
+    (14 blocks of its 15, whole entries) are cached, on this engine's device and through the
+    block store's host tier on a second engine: both replay from 44 to the same tokens."""
     prompt = ids(*PROMPTS[1])
-    llm = LLM(model=v4[1], max_model_len=512, block_size=4, window_replay_allowance=4)
+    store = BlockStore(BlockStoreConfig(host_bytes=1 << 20))
+
+    def engine() -> LLM:
+        config = EngineConfig(
+            model=v4[1], max_model_len=512, block_size=4, window_replay_allowance=4
+        )
+        return LLM.from_engine(LLMEngine(config, smollm2_tokenizer, store))
+
+    llm = engine()
     llm.generate([prompt[:44] + ids(7, 4)], GREEDY, use_tqdm=False)
     runner, manager = llm.engine.runner, llm.engine.block_manager
     table = list(manager.cached.values())
@@ -187,6 +198,12 @@ def test_bounded_replay_computes_the_window_and_allowance_of_a_whole_entries_hit
     assert manager.last_hit_tokens == {"device": 28}
     assert torch.equal(runner.gather_blocks(table), before)
     assert len(second.outputs[0].token_ids) == NEW
+    other = engine()
+    from_host = other.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert other.engine.block_manager.last_hit_tokens == {"host": 44}
+    from_device = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert manager.last_hit_tokens == {"device": 44}
+    assert from_host == from_device
 
 
 def test_prefill_and_decode_engines_equal_transformers(
