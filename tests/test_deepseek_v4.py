@@ -222,18 +222,21 @@ def test_prefill_and_decode_engines_equal_transformers(
         assert assert_greedy_equal(v4[0], prompts[index], handed[str(index)], references[key])
 
 
-def test_entries_in_group_0_and_window_rows_freed_behind_the_window(llm: LLM) -> None:
+def test_entries_in_group_0_and_keys_and_state_freed_behind_what_a_step_reads(
+    llm: LLM,
+) -> None:
     """Group 0: both CSA layers' entry | indexer key (32 + 16 over 4 tokens) and the HCA
-    layer's entry (32 over 8) a token; a window group per kind: keys (32), CSA's with both
-    compressors' kv | gate (2 x 64 + 2 x 32), HCA's with its compressor's (2 x 32). At the first
-    decode after a 90-token prefill group 0 holds 12 blocks, every window group the 2 blocks
-    of positions 80 .. 95 (the step reads 83 .. 90)."""
+    layer's entry (32 over 8) a token; group 1 every layer's key (32) for the window of 8;
+    then the state rows: CSA's compressors' kv | gate (2 x 64 + 2 x 32), 8 tokens back (two
+    windows of 4), HCA's (2 x 32), 8 back. At the first decode after a 90-token prefill
+    group 0 holds 12 blocks, every other group the 2 blocks of positions 80 .. 95 (the step
+    reads 83 .. 90)."""
     engine = llm.engine
     assert [(g.spec, g.layers, g.window) for g in engine.runner.kv_groups] == [
         (KVCacheSpec(1, 1, 1, 12 + 4 + 12, 8), (1, 2, 3), None),
-        (KVCacheSpec(1, 1, 1, 32), (0,), 8),
-        (KVCacheSpec(1, 2, 1, 32 + 128 + 64), (1, 3), 8),
-        (KVCacheSpec(1, 1, 1, 32 + 64), (2,), 8),
+        (KVCacheSpec(1, 4, 1, 32), (0, 1, 2, 3), 8),
+        (KVCacheSpec(1, 2, 1, 128 + 64), (1, 3), 8),
+        (KVCacheSpec(1, 1, 1, 64), (2,), 8),
     ]
     engine.add_request("long", ids(90, 5), GREEDY)
     engine.step()
@@ -246,15 +249,15 @@ def test_entries_in_group_0_and_window_rows_freed_behind_the_window(llm: LLM) ->
 
 def test_v4_flash_bytes_a_token_from_its_specs() -> None:
     """In bfloat16: 6,584 bytes a token grow with the context (20 CSA layers' 160 values and
-    23 HCA layers' 4); a token of the window holds 122,880 (CSA: key 512, compressors 2,048 +
-    512) and 70,656 (HCA: key 512, compressor 1,024) bytes, 128 tokens back."""
+    23 HCA layers' 4); every layer's key (43 x 512) is kept 128 tokens back, the CSA layers'
+    compressor state (2,048 + 512 each) 8, the HCA layers' (1,024 each) 128."""
     from splitserve.engine.shapes import shape_config
 
     flash = shape_config("deepseek-v4-flash").v4
     assert flash is not None
     groups = cache_groups(flash)
-    assert [g.spec.values_per_token() * 2 for g in groups] == [6584, 122880, 70656]
-    assert [g.window for g in groups] == [None, 128, 128]
+    assert [g.spec.values_per_token() * 2 for g in groups] == [6584, 44032, 102400, 47104]
+    assert [g.window for g in groups] == [None, 128, 8, 128]
 
 
 def test_random_weight_shapes_generate_and_take_their_first_layers() -> None:

@@ -10,9 +10,9 @@ layer only those its lightning indexer picks), and a learned per-head sink that 
 of the softmax without a value. The heads' outputs go out in ``o_groups`` groups, each
 through its own low-rank block (``o_a_proj``), then mixed by ``o_b_proj``.
 
-The cache (``layers/v4_cache.py``): a window row a token (key and compressor projections) in a
-sliding-window group, and the compressed entries in pieces in group 0. Every step writes its
-tokens' window rows, pools the windows its tokens close into group 0 (except where a prefix
+The cache (``layers/v4_cache.py``): a token's key and compressor projections (its state row)
+in sliding-window groups, the compressed entries in pieces in group 0. Every step writes its
+tokens' keys and state rows, pools the windows its tokens close into group 0 (except where a prefix
 hit's replay recomputes positions whose entries came from the cache), then attends: the
 torch reference below, a query (or a prefill chunk) at a time.
 """
@@ -33,6 +33,20 @@ from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.v4_cache import LayerCache
 from splitserve.engine.layers.v4_compressor import Compressor
 from splitserve.engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheSlice:
+    """A layer of KV cache group ``group``'s tensor, [blocks, block_size, 1, width], whose
+    columns from ``column`` on hold one part of a V4 layer's cache."""
+
+    layer: torch.Tensor
+    group: int
+    column: int = 0
+
+
+def _columns(part: CacheSlice, width: int) -> torch.Tensor:
+    return part.layer[:, :, 0, part.column : part.column + width]
 
 
 class GroupedProjection(nn.Module):
@@ -102,19 +116,23 @@ class V4Attention(nn.Module):
         if kind == "csa":
             self.indexer = LightningIndexer(hidden, v4, self.rope, cfg.rms_norm_eps)
         self.layout = LayerCache.of(v4, kind)
-        self.window_cache = torch.empty(0)
-        """[num_blocks, block_size, window_width]: the window rows (bound by ``bind``)."""
+        self.key_cache = torch.empty(0)
+        """[num_blocks, block_size, head_dim]: the keys (bound by ``bind``)."""
+        self.state_cache = torch.empty(0)
+        """[num_blocks, block_size, state_width]: the compressors' projections."""
         self.entry_cache = torch.empty(0)
         """[num_blocks, block_size, piece]: this layer's entry pieces in group 0."""
-        self.window_group = 0
+        self.groups = (0, 0)
+        """The KV cache groups of the keys and of the state rows."""
 
-    def bind(self, window: torch.Tensor, group: int, entries: torch.Tensor, offset: int) -> None:
-        """window: the window rows' layer [blocks, block_size, 1, width] of KV cache group
-        ``group``; entries: group 0's layer [blocks, block_size, 1, width], this layer's
-        pieces at ``offset`` (the two the same tensor with one group)."""
-        self.window_cache = window[:, :, 0, : self.layout.window_width]
-        self.entry_cache = entries[:, :, 0, offset : offset + self.layout.piece]
-        self.window_group = group
+    def bind(self, keys: CacheSlice, state: CacheSlice, entries: CacheSlice) -> None:
+        """Each a group's layer [blocks, block_size, 1, width] from a column on, and the
+        group's index (entries: group 0's); with one group, the same tensor."""
+        layout = self.layout
+        self.key_cache = _columns(keys, layout.key)
+        self.state_cache = _columns(state, layout.state_width)
+        self.entry_cache = _columns(entries, layout.piece)
+        self.groups = (keys.group, state.group)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -130,14 +148,18 @@ class V4Attention(nn.Module):
             rows.append(self.compressor.project(x))
         if self.indexer is not None:
             rows.append(self.indexer.compressor.project(x))
-        window_meta = meta.group(self.window_group)
-        flat = self.window_cache.flatten(0, 1)
-        flat.index_copy_(0, window_meta.slot_mapping, torch.cat(rows, dim=-1))
+        key_meta, state_meta = meta.group(self.groups[0]), meta.group(self.groups[1])
+        self.key_cache.flatten(0, 1).index_copy_(0, key_meta.slot_mapping, rows[0])
+        if len(rows) > 1:
+            state = torch.cat(rows[1:], dim=-1)
+            self.state_cache.flatten(0, 1).index_copy_(0, state_meta.slot_mapping, state)
         out = torch.empty_like(q)
-        for near, whole in zip(query_groups(window_meta), query_groups(meta)):
+        steps = zip(query_groups(key_meta), query_groups(state_meta), query_groups(meta))
+        for near, pooled, whole in steps:
             r = whole.rows
             slots = meta.slot_mapping[r]
-            out[r] = self.attend(q[r], x[r], q_residual[r], positions[r], slots, near, whole)
+            views = (near, pooled, whole)
+            out[r] = self.attend(q[r], x[r], q_residual[r], positions[r], slots, views)
         out = rotate(out, cos, -sin)
         grouped = self.o_a_proj(out.view(tokens, self.o_a_proj.groups, -1))
         return dense(grouped, self.o_b_proj)
@@ -149,21 +171,22 @@ class V4Attention(nn.Module):
         q_residual: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        near: QueryGroup,
-        whole: QueryGroup,
+        views: tuple[QueryGroup, QueryGroup, QueryGroup],
     ) -> torch.Tensor:
-        """One group's queries [L, heads, dim] over its window (the window rows of ``near``,
-        its group's table) and compressed entries (``whole``, group 0's table)."""
+        """One group's queries [L, heads, dim] over its window (the keys, by its key group's
+        table) and compressed entries (pooled from the state group's rows, read by group
+        0's table)."""
+        near, pooled, whole = views
         end = whole.context_len
-        base = end - near.context_len  # the position of the window table's first row
-        rows = self.window_cache[near.block_table].flatten(0, 1)[: near.context_len]
+        base = end - near.context_len  # the position of the key table's first row
+        rows = self.key_cache[near.block_table].flatten(0, 1)[: near.context_len]
         first = max(base, end - q.shape[0] - self.window + 1)
-        keys = rows[first - base :, self.layout.window_part(0)]
+        keys = rows[first - base :]
         key_positions = torch.arange(first, end, device=q.device)
         ahead = key_positions[None, :] - positions[:, None]
         mask = (ahead <= 0) & (ahead > -self.window)
         if self.compressor is not None:
-            entries = self.entries(rows, base, slots, whole)
+            entries = self.entries(pooled, slots, whole)
             seen = ((positions + 1) // self.rate)[:, None]
             visible = torch.arange(entries.shape[0], device=q.device)[None, :] < seen
             if self.indexer is not None:
@@ -173,30 +196,30 @@ class V4Attention(nn.Module):
             mask = torch.cat([mask, visible], dim=1)
         return self.attention(q, keys, mask)
 
-    def entries(
-        self, rows: torch.Tensor, base: int, slots: torch.Tensor, whole: QueryGroup
-    ) -> torch.Tensor:
+    def entries(self, pooled: QueryGroup, slots: torch.Tensor, whole: QueryGroup) -> torch.Tensor:
         """The context's compressed entries [context // rate, entry | index key]: those of
-        the windows this group's tokens close are pooled from the window rows (of positions
-        ``base`` on) and written to group 0 first, but for tokens whose group-0 slot is the
-        scratch block (a replay of a cached prefix, whose entries are in the cache)."""
+        the windows this group's tokens close are pooled from the state rows and written to
+        group 0 first, but for tokens whose group-0 slot is the scratch block (a replay of a
+        cached prefix, whose entries are in the cache)."""
         assert self.compressor is not None
         rate, end = self.rate, whole.context_len
         start = end - slots.shape[0]
         block_size = self.entry_cache.shape[1]
-        windows = torch.arange(start // rate, end // rate, device=rows.device)
+        windows = torch.arange(start // rate, end // rate, device=slots.device)
         closing = (windows + 1) * rate - 1
         scratch = self.entry_cache.shape[0] - 1
         windows = windows[slots[closing - start] // block_size != scratch]
-        flat = self.entry_cache.flatten(0, 1)
         table = whole.block_table
         if windows.numel():
-            pooled = [self.compressor.pool(rows[:, self.layout.window_part(1)], windows, base)]
+            state = self.state_cache[pooled.block_table].flatten(0, 1)[: pooled.context_len]
+            base = end - pooled.context_len
+            parts = [self.compressor.pool(state[:, self.layout.state_part(0)], windows, base)]
             if self.indexer is not None:
-                part = self.layout.window_part(2)
-                pooled.append(self.indexer.compressor.pool(rows[:, part], windows, base))
-            pieces = torch.cat(pooled, dim=-1).view(-1, self.layout.piece)
-            where = (windows[:, None] * rate + torch.arange(rate, device=rows.device)).flatten()
+                part = self.layout.state_part(1)
+                parts.append(self.indexer.compressor.pool(state[:, part], windows, base))
+            pieces = torch.cat(parts, dim=-1).view(-1, self.layout.piece)
+            where = (windows[:, None] * rate + torch.arange(rate, device=slots.device)).flatten()
+            flat = self.entry_cache.flatten(0, 1)
             flat[table[where // block_size] * block_size + where % block_size] = pieces
         count = end // rate
         held = self.entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)

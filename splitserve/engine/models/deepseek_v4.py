@@ -7,8 +7,8 @@ MLP; the head collapses them once more before the final norm. Every layer's MLP 
 the first ones by token id (``hash_moe``), the others by their scores.
 
 The KV cache (``layers/v4_cache.py``): the compressed entries in group 0, which prefix caching
-keeps, and each layer's window rows (keys and compressor projections) in sliding-window groups,
-freed behind the window.
+keeps; every layer's keys, and the compressors' projections of the tokens not pooled yet, in
+sliding-window groups, freed behind what a step reads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.hyper_connections import HyperConnection, HyperHead, spread
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
-from splitserve.engine.layers.v4_attention import V4Attention
+from splitserve.engine.layers.v4_attention import CacheSlice, V4Attention
 from splitserve.engine.layers.v4_cache import cache_groups, single_spec
 from splitserve.engine.layers.v4_moe import V4MoE
 from splitserve.engine.model_config import ModelConfig
@@ -128,22 +128,27 @@ class DeepseekV4ForCausalLM(MixtralForCausalLM):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for index, attn in enumerate(self.v4_attention()):
-            layer = kv_cache[0, index]
-            attn.bind(layer, 0, layer, attn.layout.window_width)
+            layer, layout = kv_cache[0, index], attn.layout
+            state = CacheSlice(layer, 0, layout.key)
+            entries = CacheSlice(layer, 0, layout.key + layout.state_width)
+            attn.bind(CacheSlice(layer, 0), state, entries)
 
     def bind_kv_groups(self, caches: list[torch.Tensor], groups: list[KVCacheGroup]) -> None:
-        """Group 0's one row holds the compressed layers' pieces in layer order; every
-        layer's window rows are in the window group of its kind."""
+        """Group 0's one row holds the compressed layers' pieces in layer order, group 1
+        every layer's key, the others the state rows of a kind's layers."""
         layers = self.v4_attention()
-        offsets = dict.fromkeys(groups[0].layers, 0)
-        for before, after in zip(groups[0].layers, groups[0].layers[1:]):
-            offsets[after] = offsets[before] + layers[before].layout.piece
-        for index, (cache, group) in enumerate(zip(caches, groups)):
-            if index == 0:
-                continue
-            for position, layer in enumerate(group.layers):
-                entries = caches[0][0, 0] if layer in offsets else cache[0, position]
-                layers[layer].bind(cache[0, position], index, entries, offsets.get(layer, 0))
+        column, entries = 0, {}
+        for layer in groups[0].layers:
+            entries[layer] = CacheSlice(caches[0][0, 0], 0, column)
+            column += layers[layer].layout.piece
+        state = {
+            layer: CacheSlice(caches[index][0, position], index)
+            for index, group in enumerate(groups[2:], start=2)
+            for position, layer in enumerate(group.layers)
+        }
+        for position, layer in enumerate(groups[1].layers):
+            keys = CacheSlice(caches[1][0, position], 1)
+            layers[layer].bind(keys, state.get(layer, keys), entries.get(layer, keys))
 
     def weight_targets(self, hf_name: str) -> list[tuple[str, int]]:
         """transformers' module names (``module_weights``) -> ours: the indexer beside the
