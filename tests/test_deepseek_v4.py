@@ -134,13 +134,19 @@ def test_greedy_tokens_equal_transformers(
     assert_matches_transformers(v4[0], llm, references)
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["groups", "one-group"])
 def test_chunked_prefill_beside_decodes_equals_transformers(
-    v4: tuple[Any, str], references: dict[tuple[int, int], list[int]]
+    v4: tuple[Any, str], references: dict[tuple[int, int], list[int]], hybrid: bool
 ) -> None:
     """Prompts prefilled in 23-token chunks beside decoding ones: a chunk's windows and
-    entries read the earlier chunks' rows from the cache, a chunk closes windows that began
-    in the chunk before."""
-    llm = LLM(model=v4[1], max_model_len=512, block_size=BLOCK, max_num_batched_tokens=23)
+    entries read the earlier chunks' keys, state rows and entries from the cache, a chunk
+    closes windows that began in the chunk before; in the cache groups, and in the one group
+    of ``hybrid_kv_cache: false`` (the MTP drafter's layout)."""
+    llm = LLM(
+        model=v4[1], max_model_len=512, block_size=BLOCK, max_num_batched_tokens=23,
+        hybrid_kv_cache=hybrid,
+    )  # fmt: skip
+    assert len(llm.engine.runner.kv_groups) == (4 if hybrid else 1)
     assert_matches_transformers(v4[0], llm, references)
 
 
