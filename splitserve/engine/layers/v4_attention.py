@@ -12,9 +12,9 @@ through its own low-rank block (``o_a_proj``), then mixed by ``o_b_proj``.
 
 The cache (``layers/v4_cache.py``): a token's key and compressor projections (its state row)
 in sliding-window groups, the compressed entries in pieces in group 0. Every step writes its
-tokens' keys and state rows, pools the windows its tokens close into group 0 (except where a prefix
-hit's replay recomputes positions whose entries came from the cache), then attends: the
-torch reference below, a query (or a prefill chunk) at a time.
+tokens' keys and state rows, pools the windows its tokens close into group 0 (except where a
+prefix hit's replay recomputes positions whose entries came from the cache), then attends:
+the torch reference below, a query (or a prefill chunk) at a time.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ class V4Attention(nn.Module):
         """The KV cache groups of the keys and of the state rows."""
 
     def bind(self, keys: CacheSlice, state: CacheSlice, entries: CacheSlice) -> None:
-        """Each a group's layer [blocks, block_size, 1, width] from a column on, and the
-        group's index (entries: group 0's); with one group, the same tensor."""
+        """Where this layer's keys, state rows and entry pieces are: each a column range of
+        a KV cache group's layer (the entries' in group 0; with one group, all three in
+        the same tensor)."""
         layout = self.layout
         self.key_cache = _columns(keys, layout.key)
         self.state_cache = _columns(state, layout.state_width)
