@@ -166,3 +166,24 @@ def test_queued_prompt_tokens_leave_out_the_prefix_a_waiting_request_will_find()
     scheduler.add(_req("miss", [70, 71, 72, 73, 74]))
     assert scheduler.queued_prompt_tokens() == (11 - 8) + 5
     assert bm.num_free_blocks == 8
+
+
+def test_entries_of_two_blocks_are_published_and_reused_two_blocks_at_a_time() -> None:
+    """Entries of 8 tokens in blocks of 4 (DeepSeek-V4's HCA spreads an entry over its
+    tokens' slots): a block is published once its pair's entry closed, and a hit of 3 blocks
+    (the fourth evicted) keeps 2, handing the third back still cached."""
+    bm = BlockManager(8, 4, True, 0, entry_tokens=8)
+    a = _req("a", list(range(17)))
+    assert bm.allocate_slots(a, 17)
+    a.num_computed_tokens = 14
+    bm.commit(a)
+    assert [bm.blocks[i].block_hash is not None for i in a.block_table] == [1, 1, 0, 0, 0]
+    a.num_computed_tokens = 16
+    bm.commit(a)
+    assert len(bm.cached) == 4
+    bm.free(a)  # free queue: 5, 6, 7, 4, 3, 2, 1, 0
+    assert bm.allocate_slots(_req("x", list(range(50, 70))), 20)  # evicts blocks 4 and 3
+    b = _req("b", [*range(16), 99])
+    assert bm.cached_prefix_tokens(b) == 8
+    assert bm.allocate_prefix(b) == 8 and b.block_table == [0, 1]
+    assert bm.blocks[2].ref_count == 0 and 2 in bm.free_queue and len(bm.cached) == 3

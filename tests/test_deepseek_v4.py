@@ -11,9 +11,14 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache_spec import KVCacheSpec
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from splitserve.engine.layers.v4_cache import cache_groups
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.request import Request
+from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 from tests.support.handoff import disaggregated
 from tests.support.reference import assert_greedy_equal, hf_continuation
 from tests.support.tiny_models import tiny_deepseek_v4
@@ -99,19 +104,25 @@ def test_modules_equal_transformers(v4: tuple[Any, str], llm: LLM) -> None:
 
 def test_whole_prompt_logits_equal_transformers(v4: tuple[Any, str], llm: LLM) -> None:
     """One prefill of 100 tokens (12 windows, 25 CSA entries, 12 HCA entries) through the
-    paged cache: every position's logits as transformers'."""
+    paged cache (the first 13 blocks of every group): every position's logits as
+    transformers'."""
     runner = llm.engine.runner
     prompt = torch.tensor(ids(100, 2))
     blocks = -(-100 // BLOCK)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(100),
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
-        decode_context_lens=torch.zeros(0, dtype=torch.long),
-        prefills=[PrefillSegment(0, 100, 100, torch.arange(blocks))],
-    )
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.arange(100),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
+            decode_context_lens=torch.zeros(0, dtype=torch.long),
+            prefills=[PrefillSegment(0, 100, 100, torch.arange(blocks))],
+        )
+
+    step = meta()
+    step.windows = [meta() for _ in runner.kv_groups[1:]]
     with torch.inference_mode():
-        hidden = runner.model(prompt, torch.arange(100), meta)
+        hidden = runner.model(prompt, torch.arange(100), step)
         logits = runner.model.compute_logits(hidden)
         expected = v4[0](prompt[None]).logits[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
@@ -123,30 +134,82 @@ def test_greedy_tokens_equal_transformers(
     assert_matches_transformers(v4[0], llm, references)
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["groups", "one-group"])
 def test_chunked_prefill_beside_decodes_equals_transformers(
-    v4: tuple[Any, str], references: dict[tuple[int, int], list[int]]
+    v4: tuple[Any, str], references: dict[tuple[int, int], list[int]], hybrid: bool
 ) -> None:
     """Prompts prefilled in 23-token chunks beside decoding ones: a chunk's windows and
-    entries read the earlier chunks' rows from the cache, a chunk closes windows that began
-    in the chunk before."""
-    llm = LLM(model=v4[1], max_model_len=512, block_size=BLOCK, max_num_batched_tokens=23)
+    entries read the earlier chunks' keys, state rows and entries from the cache, a chunk
+    closes windows that began in the chunk before; in the cache groups, and in the one group
+    of ``hybrid_kv_cache: false`` (the MTP drafter's layout)."""
+    llm = LLM(
+        model=v4[1], max_model_len=512, block_size=BLOCK, max_num_batched_tokens=23,
+        hybrid_kv_cache=hybrid,
+    )  # fmt: skip
+    assert len(llm.engine.runner.kv_groups) == (4 if hybrid else 1)
     assert_matches_transformers(v4[0], llm, references)
 
 
-def test_reused_prefix_gives_the_uncached_tokens(
+def test_exact_replay_of_a_reused_prefix_equals_the_uncached_run(
     v4: tuple[Any, str], references: dict[tuple[int, int], list[int]]
 ) -> None:
-    """A prompt whose first 40 tokens another prompt computed computes only its other 21:
-    the cached rows hold every layer's keys, compressor rows and entries of the prefix."""
+    """A prompt whose first 44 tokens another prompt computed, in blocks of 4: the hit keeps
+    whole HCA entries (40 tokens), and the exact mode replays the whole prefix over the cached
+    entries, writing none of them: the uncached run's tokens (transformers')."""
     prompt = ids(*PROMPTS[1])
-    llm = LLM(model=v4[1], max_model_len=512, block_size=BLOCK)
-    llm.generate([prompt[:40] + ids(7, 4)], GREEDY, use_tqdm=False)
-    before = llm.engine.stats()
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    after = llm.engine.stats()
-    assert after.prompt_tokens_cached - before.prompt_tokens_cached == 40
-    assert after.prompt_tokens_computed - before.prompt_tokens_computed == 21
-    assert assert_greedy_equal(v4[0], prompt, out, references[PROMPTS[1]])
+    llm = LLM(model=v4[1], max_model_len=512, block_size=4)
+    llm.generate([prompt[:44] + ids(7, 4)], GREEDY, use_tqdm=False)
+    runner, manager = llm.engine.runner, llm.engine.block_manager
+    assert manager.granule == 2 and len(manager.cached) == 16  # 67 tokens computed: 16 blocks
+    look = Request("look", prompt, GREEDY)
+    assert BlockManager.cached_prefix_tokens(manager, look) == 40  # 11 blocks match
+    manager.forget("look")
+    table = list(manager.cached.values())
+    before = runner.gather_blocks(table).clone()
+    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 0  # exact: every position computed again
+    assert torch.equal(runner.gather_blocks(table), before)
+    plain = LLM(model=v4[1], max_model_len=512, block_size=4, enable_prefix_caching=False)
+    uncached = plain.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert second.outputs[0].token_ids == uncached
+    assert assert_greedy_equal(v4[0], prompt, uncached, references[PROMPTS[1]])
+
+
+def test_bounded_replay_computes_the_window_and_allowance_of_a_whole_entries_hit(
+    v4: tuple[Any, str], smollm2_tokenizer: Any
+) -> None:
+    """The same hit with an allowance of 4: the 40 cached tokens (not 44: the HCA entry of
+    tokens 40 .. 47 is not the new prompt's) less the window (8) and allowance are kept, the
+    other 33 computed; the cached entries are not written. Then the prompt's own 56 tokens
+    (14 blocks of its 15, whole entries) are cached, on this engine's device and through the
+    block store's host tier on a second engine: both replay from 44 to the same tokens."""
+    prompt = ids(*PROMPTS[1])
+    store = BlockStore(BlockStoreConfig(host_bytes=1 << 20))
+
+    def engine() -> LLM:
+        config = EngineConfig(
+            model=v4[1], max_model_len=512, block_size=4, window_replay_allowance=4
+        )
+        return LLM.from_engine(LLMEngine(config, smollm2_tokenizer, store))
+
+    llm = engine()
+    llm.generate([prompt[:44] + ids(7, 4)], GREEDY, use_tqdm=False)
+    runner, manager = llm.engine.runner, llm.engine.block_manager
+    table = list(manager.cached.values())
+    before = runner.gather_blocks(table).clone()
+    computed = llm.engine.prompt_tokens_computed
+    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 28
+    assert llm.engine.prompt_tokens_computed - computed == 33
+    assert manager.last_hit_tokens == {"device": 28}
+    assert torch.equal(runner.gather_blocks(table), before)
+    assert len(second.outputs[0].token_ids) == NEW
+    other = engine()
+    from_host = other.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert other.engine.block_manager.last_hit_tokens == {"host": 44}
+    from_device = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert manager.last_hit_tokens == {"device": 44}
+    assert from_host == from_device
 
 
 def test_prefill_and_decode_engines_equal_transformers(
@@ -165,18 +228,57 @@ def test_prefill_and_decode_engines_equal_transformers(
         assert assert_greedy_equal(v4[0], prompts[index], handed[str(index)], references[key])
 
 
-def test_cache_row_is_the_widest_layers(llm: LLM) -> None:
-    """A CSA layer's row: its key (32), compressor kv | gate (2 x 64), entry (32), indexer
-    kv | gate (2 x 32), indexer key (16): 272 values a token, every one of the 4 layers."""
-    runner = llm.engine.runner
-    assert runner.model.kv_cache_spec().values_per_token() == 4 * 272
-    assert runner.kv_shape(3) == (1, 4, 3, BLOCK, 1, 272)
+def test_entries_in_group_0_and_keys_and_state_freed_behind_what_a_step_reads(
+    llm: LLM,
+) -> None:
+    """Group 0: both CSA layers' entry | indexer key (32 + 16 over 4 tokens) and the HCA
+    layer's entry (32 over 8) a token; group 1 every layer's key (32) for the window of 8;
+    then the state rows: CSA's compressors' kv | gate (2 x 64 + 2 x 32), 8 tokens back (two
+    windows of 4), HCA's (2 x 32), 8 back. At the first decode after a 90-token prefill
+    group 0 holds 12 blocks, every other group the 2 blocks of positions 80 .. 95 (the step
+    reads 83 .. 90)."""
+    engine = llm.engine
+    assert [(g.spec, g.layers, g.window) for g in engine.runner.kv_groups] == [
+        (KVCacheSpec(1, 1, 1, 12 + 4 + 12, 8), (1, 2, 3), None),
+        (KVCacheSpec(1, 4, 1, 32), (0, 1, 2, 3), 8),
+        (KVCacheSpec(1, 2, 1, 128 + 64), (1, 3), 8),
+        (KVCacheSpec(1, 1, 1, 64), (2,), 8),
+    ]
+    engine.add_request("long", ids(90, 5), GREEDY)
+    engine.step()
+    engine.step()
+    req = engine.requests["long"]
+    assert len(req.block_table) == 12
+    assert engine.block_manager.window_blocks_in_use() == [2, 2, 2]
+    engine.abort_request("long")
+
+
+def test_v4_flash_bytes_a_token_from_its_specs() -> None:
+    """In bfloat16: 6,584 bytes a token grow with the context (20 CSA layers' 160 values and
+    23 HCA layers' 4); every layer's key (43 x 512) is kept 128 tokens back, the CSA layers'
+    compressor state (2,048 + 512 each) 8, the HCA layers' (1,024 each) 128."""
+    from splitserve.engine.shapes import shape_config
+
+    flash = shape_config("deepseek-v4-flash").v4
+    assert flash is not None
+    groups = cache_groups(flash)
+    assert [g.spec.values_per_token() * 2 for g in groups] == [6584, 44032, 102400, 47104]
+    assert [g.window for g in groups] == [None, 128, 8, 128]
 
 
 def test_random_weight_shapes_generate_and_take_their_first_layers() -> None:
+    """shape:deepseek-v4-flash is transformers' default DeepseekV4Config (V4-Flash's published
+    sizes); its first layers keep their kinds and hash layers. At one layer it is still 7.5 B
+    parameters (256 experts of 3 x 2048 x 4096), no CPU test's: the tiny shape generates."""
+    from transformers import DeepseekV4Config
+
+    from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.shapes import shape_config
 
+    published = ModelConfig.from_hf(DeepseekV4Config().to_dict())
+    assert shape_config("deepseek-v4-flash") == published
     flash = shape_config("deepseek-v4-flash?layers=4")
+    assert flash == ModelConfig.from_hf(DeepseekV4Config(num_hidden_layers=4).to_dict())
     assert flash.v4 is not None and flash.moe is not None
     assert (flash.num_layers, flash.v4.layer_kinds) == (4, ("hca", "hca", "hca", "csa"))
     assert flash.moe.hash_layers == (0, 1, 2)

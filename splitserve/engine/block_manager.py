@@ -11,6 +11,7 @@ extend a request's device-cached prefix with blocks it fills from elsewhere.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -33,10 +34,18 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, root: int
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        root: int,
+        entry_tokens: int = 1,
     ) -> None:
-        """root: the hash chain's start (kvstore/hashing.py: hash_root)."""
+        """root: the hash chain's start (kvstore/hashing.py: hash_root). entry_tokens: group
+        0's (``KVCacheSpec.entry_tokens``): blocks are published and reused in runs of
+        ``granule`` blocks, whose contents are final together."""
         self.block_size = block_size
+        self.granule = math.lcm(block_size, entry_tokens) // block_size
         self.root = root
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -80,6 +89,10 @@ class BlockManager:
                 req.block_table.append(block_id)
                 hits = self.last_hit_tokens.get(tier, 0)
                 self.last_hit_tokens[tier] = hits + self.block_size
+        whole = len(req.block_table) // self.granule * self.granule
+        if whole < len(req.block_table):  # a run cut short: its last entries are not final
+            self.trim(req, whole * self.block_size)
+            self.last_hit_tokens = first_tokens(self.last_hit_tokens, whole * self.block_size)
         return len(req.block_table) * self.block_size
 
     def cached_prefix_tokens(self, req: Request) -> int:
@@ -93,7 +106,7 @@ class BlockManager:
             if block_hash not in self.cached:
                 break
             found += 1
-        return found * self.block_size
+        return found // self.granule * self.granule * self.block_size
 
     def claim_free(self) -> int | None:
         """Take the least recently freed block for new contents (ref count 1), or None."""
@@ -126,12 +139,12 @@ class BlockManager:
         """Publish the hashes of blocks whose tokens all have KV now."""
         if not self.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        full = req.num_computed_tokens // self.block_size // self.granule * self.granule
         if full <= req.num_committed_blocks:
             return
         hashes = self._block_hashes(req)
         # With overlapped steps a computed position's token may still be on the device.
-        full = min(full, len(hashes))
+        full = min(full, len(hashes) // self.granule * self.granule)
         for index in range(req.num_committed_blocks, full):
             block = self.blocks[req.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached:
@@ -199,3 +212,15 @@ class BlockManager:
                 if self.on_evict is not None:
                     self.on_evict(block.block_hash)
             block.block_hash = None
+
+
+def first_tokens(hits: dict[str, int], tokens: int) -> dict[str, int]:
+    """Tier -> tokens (in prefix order) cut to the first ``tokens``: the counts of a hit
+    that keeps only its first ``tokens``."""
+    kept = {}
+    for tier, count in hits.items():
+        if tokens <= 0:
+            break
+        kept[tier] = min(count, tokens)
+        tokens -= kept[tier]
+    return kept

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockManager, first_tokens
 from splitserve.engine.request import Request
 
 
@@ -77,10 +77,11 @@ class HybridBlockManager(BlockManager):
         root: int,
         windows: Sequence[tuple[int, int]],
         allowance: int | None,
+        entry_tokens: int = 1,
     ) -> None:
         """windows: (pool blocks, window) of each sliding group, in group order.
         allowance: tokens replayed past the longest window on a prefix hit (None: all)."""
-        super().__init__(num_blocks, block_size, enable_prefix_caching, root)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, root, entry_tokens)
         self.windows = [WindowBlocks(n, block_size, window) for n, window in windows]
         self.longest = max(group.window for group in self.windows)
         self.allowance = allowance
@@ -103,7 +104,8 @@ class HybridBlockManager(BlockManager):
         cached = super().allocate_prefix(req)
         req.cached_until = cached
         req.window_from = self.replay_start(cached)
-        self.last_hit_tokens = _first(self.last_hit_tokens, req.window_from)
+        # What the replay left uncomputed: the tiers' counts add up to the cached tokens.
+        self.last_hit_tokens = first_tokens(self.last_hit_tokens, req.window_from)
         return req.window_from
 
     def cached_prefix_tokens(self, req: Request) -> int:
@@ -149,15 +151,3 @@ class HybridBlockManager(BlockManager):
 
     def window_pool_blocks(self) -> list[int]:
         return [g.num_blocks for g in self.windows]
-
-
-def _first(hits: dict[str, int], tokens: int) -> dict[str, int]:
-    """Tier -> tokens (in prefix order) cut to the first ``tokens``: what the replay left
-    uncomputed, so the tiers' counts add up to the request's cached tokens."""
-    kept = {}
-    for tier, count in hits.items():
-        if tokens <= 0:
-            break
-        kept[tier] = min(count, tokens)
-        tokens -= kept[tier]
-    return kept

@@ -21,16 +21,22 @@ from dataclasses import dataclass
 class KVCacheSpec:
     """``parts``: 2 for K and V (full attention), 1 for one latent per token (MLA, whose
     ``heads`` is 1 and ``head_dim`` the latent and RoPE parts together). ``layers``: the
-    cache layers, those of the decoder plus any the model keeps beside them."""
+    cache layers, those of the decoder plus any the model keeps beside them.
+    ``entry_tokens``: the tokens whose slots are written together, when the last of them is
+    computed (DeepSeek-V4 spreads a compressed entry of 128 tokens over their slots): a
+    block's values are final, so that it can be hashed and reused, only at multiples of it."""
 
     parts: int
     layers: int
     heads: int
     head_dim: int
+    entry_tokens: int = 1
 
     def __post_init__(self) -> None:
         if self.parts not in (1, 2):
             raise ValueError("a KV cache holds K and V (2 parts) or one latent (1)")
+        if self.entry_tokens < 1:
+            raise ValueError("an entry covers at least one token")
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
         return (self.parts, self.layers, num_blocks, block_size, self.heads, self.head_dim)
@@ -43,7 +49,9 @@ class KVCacheSpec:
 @dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share one block table. ``layers``: the decoder layers whose attention
-    reads this group's tensor, in the order of its layer axis. ``window``: each query sees
+    reads this group's tensor, in the order of its layer axis, or all from its one cache
+    layer (a spec of one layer whose row packs rows of different widths: DeepSeek-V4's
+    compressed entries, ``layers/v4_cache.py``). ``window``: each query sees
     its last ``window`` positions (None: the whole context; group 0 is always None)."""
 
     spec: KVCacheSpec
@@ -51,7 +59,7 @@ class KVCacheGroup:
     window: int | None = None
 
     def __post_init__(self) -> None:
-        if len(self.layers) != self.spec.layers:
+        if len(self.layers) != self.spec.layers and self.spec.layers != 1:
             raise ValueError("a KV cache group's spec counts its layers")
         if self.window is not None and self.window < 1:
             raise ValueError("a sliding window holds at least one position")

@@ -40,13 +40,17 @@ def pool_sizes(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     num_blocks: int | None = None,
+    most: int | None = None,
 ) -> list[int]:
     """Blocks of each group's pool from one byte budget, or group 0's from ``num_blocks``
     (config.num_kv_blocks). A window group gets what its running requests can hold at once
     (each its window and two blocks, plus one step's new tokens), at most what it would need
-    if it kept every token group 0 keeps; group 0 the rest. Where the budget caps a window
-    group below what its requests can hold, group 0 gets no more blocks than it: a request
-    that fits group 0 (admission checks that) then fits every window group on its own."""
+    if it kept every token group 0 keeps; group 0 the rest, but beside window groups at most
+    ``most`` blocks (every running request at the longest length: a group 0 of a few values
+    a token, DeepSeek-V4's entries, would otherwise count millions of blocks). Where the
+    budget caps a window group below what its requests can hold, group 0 gets no more blocks
+    than it: a request that fits group 0 (admission checks that) then fits every window group
+    on its own."""
     per_block = [g.spec.values_per_token() * block_size * element for g in groups]
     cap = num_blocks if num_blocks is not None else max(1, budget // sum(per_block))
     sizes = [0]
@@ -64,7 +68,8 @@ def pool_sizes(
     if num_blocks is not None:
         sizes[0] = num_blocks
     else:
-        sizes[0] = min([max(1, (budget - spent) // per_block[0]), *capped])
+        limits = capped if most is None or len(groups) == 1 else [*capped, most]
+        sizes[0] = min([max(1, (budget - spent) // per_block[0]), *limits])
     return sizes
 
 

@@ -390,7 +390,8 @@ def block_manager(config: EngineConfig, runner: ModelRunner, root: int) -> Block
     """The block manager of the runner's KV cache groups: with sliding-window groups, one
     that gives each its own table (engine/hybrid_blocks.py)."""
     args = (runner.num_blocks, config.block_size, config.enable_prefix_caching, root)
+    entry_tokens = runner.kv_groups[0].spec.entry_tokens
     if len(runner.kv_groups) == 1:
-        return BlockManager(*args)
+        return BlockManager(*args, entry_tokens)
     windows = [(n, g.window or 0) for n, g in zip(runner.window_blocks, runner.kv_groups[1:])]
-    return HybridBlockManager(*args, windows, config.window_replay_allowance)
+    return HybridBlockManager(*args, windows, config.window_replay_allowance, entry_tokens)

@@ -157,6 +157,7 @@ class ModelRunner:
         sizes = pool_sizes(
             self.kv_groups, budget, self.block_size, self._element(),
             cfg.max_num_seqs, cfg.max_num_batched_tokens, num_blocks,
+            cfg.max_num_seqs * self.max_blocks_per_seq,
         )  # fmt: skip
         self.window_blocks = sizes[1:]
         # One block more than the block manager hands out: the scratch block of padded rows

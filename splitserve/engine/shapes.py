@@ -226,7 +226,7 @@ SHAPES |= {
     ),
     # DeepSeek-V4-Flash as transformers' default config describes it: 43 layers (2 HCA,
     # then CSA and HCA alternating), 256 experts of 2048, top-6, the first 3 hash-routed,
-    # 4 streams; the compress rope without YaRN. ``?layers=N`` as V3's.
+    # 4 streams, one MTP layer; the compress rope without YaRN. ``?layers=N`` as V3's.
     "deepseek-v4-flash": _shape(
         architecture="deepseek_v4",
         rms_norm_eps=1e-6,
@@ -240,6 +240,7 @@ SHAPES |= {
         head_dim=512,
         rope_theta=10000.0,
         tie_word_embeddings=False,
+        mtp_layers=1,
         moe=MoEConfig(256, 6, 2048, True, (), "sqrtsoftplus", 1, 1, 1.5, 2048, (0, 1, 2), 10.0),
         v4=_v4(
             _V4_FLASH_KINDS,

@@ -10,11 +10,11 @@ layer only those its lightning indexer picks), and a learned per-head sink that 
 of the softmax without a value. The heads' outputs go out in ``o_groups`` groups, each
 through its own low-rank block (``o_a_proj``), then mixed by ``o_b_proj``.
 
-The cache (until the engine keeps kinds of cache apart) holds one row per token and layer
-(``RowLayout``): the token's key, and for a compressed layer its compressor's projections and,
-at the token that closes a window, that window's entry (for CSA also the indexer's). Every
-step writes its tokens' rows, pools the windows its tokens close, then attends: the torch
-reference below, a query (or a prefill chunk) at a time.
+The cache (``layers/v4_cache.py``): a token's key and compressor projections (its state row)
+in sliding-window groups, the compressed entries in pieces in group 0. Every step writes its
+tokens' keys and state rows, pools the windows its tokens close into group 0 (except where a
+prefix hit's replay recomputes positions whose entries came from the cache), then attends:
+the torch reference below, a query (or a prefill chunk) at a time.
 """
 
 from __future__ import annotations
@@ -24,49 +24,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitserve.engine.layers.attention import AttentionMetadata, gather_context
+from splitserve.engine.layers.attention import AttentionMetadata
 from splitserve.engine.layers.hyper_connections import unweighted_rms_norm
 from splitserve.engine.layers.interleaved_rope import InterleavedRope, rotate
 from splitserve.engine.layers.lightning_indexer import LightningIndexer
 from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.layers.v4_cache import LayerCache
 from splitserve.engine.layers.v4_compressor import Compressor
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.v4_config import V4Config
 
 
 @dataclass(frozen=True)
-class RowLayout:
-    """Where a layer's values sit in a token's cache row: key | compressor rows | entry |
-    indexer rows | indexer key (the last four only in the layers that have them)."""
+class CacheSlice:
+    """A layer of KV cache group ``group``'s tensor, [blocks, block_size, 1, width], whose
+    columns from ``column`` on hold one part of a V4 layer's cache."""
 
-    key: int
-    compressor: int = 0
-    entry: int = 0
-    indexer: int = 0
-    index_key: int = 0
+    layer: torch.Tensor
+    group: int
+    column: int = 0
 
-    @classmethod
-    def of(cls, v4: V4Config, kind: str) -> RowLayout:
-        dim, index = v4.head_dim, v4.index_head_dim
-        if kind == "sliding":
-            return cls(dim)
-        if kind == "hca":
-            return cls(dim, 2 * dim, dim)
-        return cls(dim, 4 * dim, dim, 4 * index, index)
 
-    def bounds(self) -> list[int]:
-        sizes = [self.key, self.compressor, self.entry, self.indexer, self.index_key]
-        return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-
-    def part(self, index: int) -> slice:
-        """0 key, 1 compressor rows, 2 entry, 3 indexer rows, 4 indexer key."""
-        bounds = self.bounds()
-        return slice(bounds[index], bounds[index + 1])
-
-    @property
-    def width(self) -> int:
-        return self.bounds()[-1]
+def _columns(part: CacheSlice, width: int) -> torch.Tensor:
+    return part.layer[:, :, 0, part.column : part.column + width]
 
 
 class GroupedProjection(nn.Module):
@@ -135,9 +115,25 @@ class V4Attention(nn.Module):
             )
         if kind == "csa":
             self.indexer = LightningIndexer(hidden, v4, self.rope, cfg.rms_norm_eps)
-        self.layout = RowLayout.of(v4, kind)
-        self.cache = torch.empty(0)
-        """[num_blocks, block_size, 1, row width of the widest layer], bound by the runner."""
+        self.layout = LayerCache.of(v4, kind)
+        self.key_cache = torch.empty(0)
+        """[num_blocks, block_size, head_dim]: the keys (bound by ``bind``)."""
+        self.state_cache = torch.empty(0)
+        """[num_blocks, block_size, state_width]: the compressors' projections."""
+        self.entry_cache = torch.empty(0)
+        """[num_blocks, block_size, piece]: this layer's entry pieces in group 0."""
+        self.groups = (0, 0)
+        """The KV cache groups of the keys and of the state rows."""
+
+    def bind(self, keys: CacheSlice, state: CacheSlice, entries: CacheSlice) -> None:
+        """Where this layer's keys, state rows and entry pieces are: each a column range of
+        a KV cache group's layer (the entries' in group 0; with one group, all three in
+        the same tensor)."""
+        layout = self.layout
+        self.key_cache = _columns(keys, layout.key)
+        self.state_cache = _columns(state, layout.state_width)
+        self.entry_cache = _columns(entries, layout.piece)
+        self.groups = (keys.group, state.group)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -150,16 +146,21 @@ class V4Attention(nn.Module):
         q = rotate(unweighted_rms_norm(q, self.eps), cos, sin)
         rows = [rotate(self.kv_norm(dense(x, self.kv_proj)), cos, sin)]
         if self.compressor is not None:
-            rows += [self.compressor.project(x), x.new_zeros(tokens, self.layout.entry)]
+            rows.append(self.compressor.project(x))
         if self.indexer is not None:
-            rows += [self.indexer.compressor.project(x), x.new_zeros(tokens, self.indexer.dim)]
-        flat = self.cache.view(-1, self.cache.shape[-1])[:, : self.layout.width]
-        flat.index_copy_(0, meta.slot_mapping, torch.cat(rows, dim=-1))
+            rows.append(self.indexer.compressor.project(x))
+        key_meta, state_meta = meta.group(self.groups[0]), meta.group(self.groups[1])
+        self.key_cache.flatten(0, 1).index_copy_(0, key_meta.slot_mapping, rows[0])
+        if len(rows) > 1:
+            state = torch.cat(rows[1:], dim=-1)
+            self.state_cache.flatten(0, 1).index_copy_(0, state_meta.slot_mapping, state)
         out = torch.empty_like(q)
-        for group in query_groups(meta):
-            r = group.rows
+        steps = zip(query_groups(key_meta), query_groups(state_meta), query_groups(meta))
+        for near, pooled, whole in steps:
+            r = whole.rows
             slots = meta.slot_mapping[r]
-            out[r] = self.attend(q[r], x[r], q_residual[r], positions[r], slots, group)
+            views = (near, pooled, whole)
+            out[r] = self.attend(q[r], x[r], q_residual[r], positions[r], slots, views)
         out = rotate(out, cos, -sin)
         grouped = self.o_a_proj(out.view(tokens, self.o_a_proj.groups, -1))
         return dense(grouped, self.o_b_proj)
@@ -171,48 +172,59 @@ class V4Attention(nn.Module):
         q_residual: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        group: QueryGroup,
+        views: tuple[QueryGroup, QueryGroup, QueryGroup],
     ) -> torch.Tensor:
-        """One group's queries [L, heads, dim] over its window and compressed entries."""
-        context = group.context_len
-        rows = gather_context(self.cache, group.block_table[None, :])[0, :context, 0]
-        first = max(0, context - q.shape[0] - self.window + 1)
-        keys = rows[first:, self.layout.part(0)]
-        key_positions = torch.arange(first, context, device=q.device)
+        """One group's queries [L, heads, dim] over its window (the keys, by its key group's
+        table) and compressed entries (pooled from the state group's rows, read by group
+        0's table)."""
+        near, pooled, whole = views
+        end = whole.context_len
+        base = end - near.context_len  # the position of the key table's first row
+        rows = self.key_cache[near.block_table].flatten(0, 1)[: near.context_len]
+        first = max(base, end - q.shape[0] - self.window + 1)
+        keys = rows[first - base :]
+        key_positions = torch.arange(first, end, device=q.device)
         ahead = key_positions[None, :] - positions[:, None]
         mask = (ahead <= 0) & (ahead > -self.window)
         if self.compressor is not None:
-            entries = self.entries(self.compressor, rows, slots, context, 2)
+            entries = self.entries(pooled, slots, whole)
             seen = ((positions + 1) // self.rate)[:, None]
             visible = torch.arange(entries.shape[0], device=q.device)[None, :] < seen
             if self.indexer is not None:
-                index_keys = self.entries(self.indexer.compressor, rows, slots, context, 4)
+                index_keys = entries[:, self.dim :]
                 visible = self.indexer.select(x, q_residual, positions, index_keys)
-            keys = torch.cat([keys, entries])
+            keys = torch.cat([keys, entries[:, : self.dim]])
             mask = torch.cat([mask, visible], dim=1)
         return self.attention(q, keys, mask)
 
-    def entries(
-        self,
-        compressor: Compressor,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        context: int,
-        part: int,
-    ) -> torch.Tensor:
-        """The context's compressed entries [context // rate, dim] of ``compressor`` (its
-        rows at part - 1, its entries at ``part``): the windows closed by this group's
-        tokens are pooled and written to the cache first."""
-        rate, start = compressor.rate, context - slots.shape[0]
-        windows = torch.arange(start // rate, context // rate, device=rows.device)
-        where = self.layout.part(part)
+    def entries(self, pooled: QueryGroup, slots: torch.Tensor, whole: QueryGroup) -> torch.Tensor:
+        """The context's compressed entries [context // rate, entry | index key]: those of
+        the windows this group's tokens close are pooled from the state rows and written to
+        group 0 first, but for tokens whose group-0 slot is the scratch block (a replay of a
+        cached prefix, whose entries are in the cache)."""
+        assert self.compressor is not None
+        rate, end = self.rate, whole.context_len
+        start = end - slots.shape[0]
+        block_size = self.entry_cache.shape[1]
+        windows = torch.arange(start // rate, end // rate, device=slots.device)
+        closing = (windows + 1) * rate - 1
+        scratch = self.entry_cache.shape[0] - 1
+        windows = windows[slots[closing - start] // block_size != scratch]
+        table = whole.block_table
         if windows.numel():
-            pooled = compressor.pool(rows[:, self.layout.part(part - 1)], windows)
-            closing = (windows + 1) * rate - 1
-            rows[closing, where] = pooled
-            flat = self.cache.view(-1, self.cache.shape[-1])
-            flat[slots[closing - start], where] = pooled
-        return rows[rate - 1 :: rate, where][: context // rate]
+            state = self.state_cache[pooled.block_table].flatten(0, 1)[: pooled.context_len]
+            base = end - pooled.context_len
+            parts = [self.compressor.pool(state[:, self.layout.state_part(0)], windows, base)]
+            if self.indexer is not None:
+                part = self.layout.state_part(1)
+                parts.append(self.indexer.compressor.pool(state[:, part], windows, base))
+            pieces = torch.cat(parts, dim=-1).view(-1, self.layout.piece)
+            where = (windows[:, None] * rate + torch.arange(rate, device=slots.device)).flatten()
+            flat = self.entry_cache.flatten(0, 1)
+            flat[table[where // block_size] * block_size + where % block_size] = pieces
+        count = end // rate
+        held = self.entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)
+        return held[: count * rate].reshape(count, rate * self.layout.piece)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with

@@ -9,7 +9,8 @@ entry, the last ``dim`` into its own, so entry w pools 2 * rate slots: window w 
 series and window w's second (entry 0's earlier half empty).
 
 A token's projections are kept as one row, kv | gate (``project``): the engine stores them
-in the token's cache slot and pools the context's rows when a window closes (``pool``).
+in the token's window row (``layers/v4_cache.py``) and pools the rows of a window's tokens
+when its last one is computed (``pool``).
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ class Compressor(nn.Module):
         """Normed hidden states [T, H] -> their rows [T, row_width]."""
         return torch.cat([dense(x, self.kv_proj), dense(x, self.gate_proj)], dim=-1)
 
-    def pool(self, rows: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """The entries [n, dim] of ``windows`` [n] from the rows of the context's positions
-        [C, row_width] (every window's tokens among them)."""
+    def pool(self, rows: torch.Tensor, windows: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """The entries [n, dim] of ``windows`` [n] from the rows [C, row_width] of positions
+        ``base`` .. ``base + C - 1`` (every window's tokens among them)."""
         rate, dim = self.rate, self.dim
-        slots = windows[:, None] * rate + torch.arange(rate, device=rows.device)
+        slots = windows[:, None] * rate + torch.arange(rate, device=rows.device) - base
         kv = rows[slots, : self.width]
         gate = rows[slots, self.width :].float() + self.position_bias
         if self.overlap:
-            earlier = (slots - rate).clamp(min=0)
+            earlier = (slots - rate).clamp(min=0)  # window 0 has no earlier one (base 0)
             first = windows[:, None, None] > 0
             kv_a = torch.where(first, rows[earlier, :dim], 0.0)
             gate_a = (

@@ -6,26 +6,28 @@ them into its attention's input and spreads the output back, then the same aroun
 MLP; the head collapses them once more before the final norm. Every layer's MLP is routed:
 the first ones by token id (``hash_moe``), the others by their scores.
 
-The KV cache holds one row per token and layer (``RowLayout``), as wide as the widest
-layer's: the engine keeps one kind of block for all layers until it can keep a sliding
-window apart from the compressed entries (docs/models.md has the layout planned for that).
+The KV cache (``layers/v4_cache.py``): the compressed entries in group 0, which prefix caching
+keeps; every layer's keys, and the compressors' projections of the tokens not pooled yet, in
+sliding-window groups, freed behind what a step reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from splitserve.engine.kv_cache_spec import KVCacheSpec
+from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.hyper_connections import HyperConnection, HyperHead, spread
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
-from splitserve.engine.layers.v4_attention import V4Attention
+from splitserve.engine.layers.v4_attention import CacheSlice, V4Attention
+from splitserve.engine.layers.v4_cache import cache_groups, single_spec
 from splitserve.engine.layers.v4_moe import V4MoE
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.deepseek_v4_names import module_weights
@@ -111,13 +113,42 @@ class DeepseekV4ForCausalLM(MixtralForCausalLM):
         return [m for m in self.modules() if isinstance(m, V4Attention)]
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """One row per token and layer, as wide as the widest layer's (``RowLayout``)."""
-        layers = self.v4_attention()
-        return KVCacheSpec(1, len(layers), 1, max(a.layout.width for a in layers))
+        """Every layer in one group (``hybrid_kv_cache: false``, the MTP drafter's engine):
+        a layer's window row then its entry pieces."""
+        return single_spec(self._v4_layers())
+
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        return cache_groups(self._v4_layers())
+
+    def _v4_layers(self) -> V4Config:
+        """The config of the layers built here (the MTP block's kind for its model)."""
+        v4 = v4_config(self.config)
+        kinds = tuple(attn.kind for attn in self.v4_attention())
+        return dataclasses.replace(v4, layer_kinds=kinds)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for index, attn in enumerate(self.v4_attention()):
-            attn.cache = kv_cache[0, index]
+            layer, layout = kv_cache[0, index], attn.layout
+            state = CacheSlice(layer, 0, layout.key)
+            entries = CacheSlice(layer, 0, layout.key + layout.state_width)
+            attn.bind(CacheSlice(layer, 0), state, entries)
+
+    def bind_kv_groups(self, caches: list[torch.Tensor], groups: list[KVCacheGroup]) -> None:
+        """Group 0's one row holds the compressed layers' pieces in layer order, group 1
+        every layer's key, the others the state rows of a kind's layers."""
+        layers = self.v4_attention()
+        column, entries = 0, {}
+        for layer in groups[0].layers:
+            entries[layer] = CacheSlice(caches[0][0, 0], 0, column)
+            column += layers[layer].layout.piece
+        state = {
+            layer: CacheSlice(caches[index][0, position], index)
+            for index, group in enumerate(groups[2:], start=2)
+            for position, layer in enumerate(group.layers)
+        }
+        for position, layer in enumerate(groups[1].layers):
+            keys = CacheSlice(caches[1][0, position], 1)
+            layers[layer].bind(keys, state.get(layer, keys), entries.get(layer, keys))
 
     def weight_targets(self, hf_name: str) -> list[tuple[str, int]]:
         """transformers' module names (``module_weights``) -> ours: the indexer beside the

@@ -92,6 +92,7 @@ class MTPDrafter(Drafter):
             num_kv_blocks=None,
             kv_cache_bytes=spec.draft_kv_cache_bytes,
             enable_prefix_caching=False,
+            hybrid_kv_cache=False,  # one block table (self.blocks)
             overlap_scheduling=False,
             cuda_graph_max_batch=0,
             speculative=None,
