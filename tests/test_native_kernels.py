@@ -276,6 +276,35 @@ def test_a_sequences_attention_is_the_same_bits_alone_and_in_a_batch(one_thread:
         assert torch.equal(attend(slice(i, i + 1))[0], batch[i]), f"sequence {i}"
 
 
+def test_a_kv_heads_query_heads_split_over_threads_give_the_same_bits() -> None:
+    """Fewer (sequence, KV head) tasks than threads (Gemma 3's one KV head at batch 1): each
+    thread takes a share of the query heads, and every head's sums are those of one thread."""
+    heads, kv_heads, dim, block_size = 4, 1, 256, 16
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(12, generator=gen)[None, :11]
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([170])
+    slots = tables[0, 170 // block_size] * block_size + 170 % block_size
+    angles = torch.arange(256)[:, None] * torch.rand(dim, generator=gen)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out = torch.empty(1, heads, dim)
+            native.decode_attention(
+                qkv, positions, cos, sin, k_cache, v_cache, slots.view(1), tables,
+                positions + 1, heads, dim**-0.5, out, 100,
+            )  # fmt: skip
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_build_caches_the_library_by_source(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The suite's own build (the cache that every native test loads from) is found again,
     not rebuilt; other flags (as an edited source) key another folder. Compiling into a

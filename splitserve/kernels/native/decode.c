@@ -306,9 +306,17 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
     int64_t longest = 1;
     for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     /* A task: all KV heads of a sequence (its blocks read whole), or one KV head of it where
-     * there are fewer sequences than two per thread (batch 1 on two threads: three tasks). */
-    int whole = D % 16 == 0 && B >= 2 * omp_get_max_threads();
-    int64_t per = whole ? Hkv : 1, tasks = B * (Hkv / per);
+     * there are fewer sequences than two per thread (batch 1 on two threads: three tasks), or
+     * a share of that KV head's query heads where there are still fewer tasks than threads
+     * (Gemma 3's one KV head at batch 1: each thread takes two of its four query heads). */
+    int threads = omp_get_max_threads();
+    int whole = D % 16 == 0 && B >= 2 * threads;
+    int64_t per = whole ? Hkv : 1;
+    int shares = !whole && D % 16 == 0 && B * Hkv < threads ? (int)(threads / (B * Hkv)) : 1;
+    shares = shares < group ? shares : group;
+    int share = (group + shares - 1) / shares; /* query heads of a share (the last: the rest) */
+    shares = (group + share - 1) / share;
+    int64_t tasks = B * (Hkv / per) * shares;
 #pragma omp parallel reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * (size_t)(per * group) * (size_t)longest);
@@ -317,22 +325,25 @@ int splitserve_decode_attention(const float *qkv, int64_t B, int H, int Hkv, int
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             if (failed) continue;
-            int64_t b = task / (Hkv / per), context = context_lens[b];
+            int64_t b = task / shares / (Hkv / per), context = context_lens[b];
             int64_t start = window > 0 && context > window ? context - window : 0;
-            int g0 = (int)(task % (Hkv / per) * per), g1 = g0 + (int)per;
+            int g0 = (int)(task / shares % (Hkv / per) * per), g1 = g0 + (int)per;
+            int h0 = (int)(task % shares) * share;              /* first query head of the */
+            int heads = shares > 1 ? (group - h0 < share ? group - h0 : share) : group; /* share */
             const float *row = qkv + b * width;
             const float *c = cos + positions[b] * D, *s = sin + positions[b] * D;
-            for (int h = 0; h < (g1 - g0) * group; h++) {
-                for (int i = 0; i < D; i++) q[h * D + i] = row[(g0 * group + h) * D + i];
+            for (int h = 0; h < (g1 - g0) * heads; h++) {
+                int from = shares > 1 ? g0 * group + h0 + h : g0 * group + h;
+                for (int i = 0; i < D; i++) q[h * D + i] = row[from * D + i];
                 rotate(q + h * D, c, s, D);
             }
-            float *o = out + b * (int64_t)H * D + (int64_t)g0 * group * D;
+            float *o = out + b * (int64_t)H * D + ((int64_t)g0 * group + h0) * D;
             const int64_t *table = block_tables + b * max_blocks;
             if (D % 16)
                 attend_any(q, group, D, k_cache, v_cache, Hkv, g0, block_size, table, start,
                            context, scale, scores, o);
             else
-                attend(q, group, D, k_cache, v_cache, Hkv, g0, g1, block_size, table, start,
+                attend(q, heads, D, k_cache, v_cache, Hkv, g0, g1, block_size, table, start,
                        context, scale, scores, o);
         }
         free(scores);
