@@ -10,7 +10,8 @@ the hidden states equal the module path's exactly (tests/test_native_decode.py).
 It applies to models whose every projection is a ``BlockLinear`` without bias, whose attention
 is the torch backend on contiguous caches (no sliding window, no q/k norms), on steps of decode
 tokens only with fewer rows than any projection's measured switch to dequantized GEMMs; other
-steps take the modules.
+steps take the modules. In deterministic mode every step is decode rows (prompt chunks
+included) and the products batch-invariant, so every step runs here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from splitserve.engine.layers.attention import AttentionMetadata, TorchAttention
 from splitserve.engine.layers.block_linear import BlockLinear
 from splitserve.kernels.native import decode as native
-from splitserve.kernels.native.blocks import ISAS, native_isa
+from splitserve.kernels.native.blocks import INVARIANT, ISAS, native_isa
 from splitserve.kernels.native.build import load
 
 
@@ -44,6 +45,8 @@ class NativeDecode:
             [p.dequantize_from for p in self._projections() if p.dequantize_from is not None],
             default=1 << 30,
         )
+        self.invariant = all(p.invariant for p in self._projections())
+        """Batch-invariant block products (deterministic mode, ``batch_invariant.py``)."""
         self._cache_ptr = -1
         self._pointers = torch.empty(0, dtype=torch.int64)
         self._types = torch.tensor([p.qtype for p in self._projections()], dtype=torch.int32)
@@ -108,7 +111,7 @@ class NativeDecode:
             self._types.data_ptr(), self._dims.data_ptr(), self.eps, self.scale,
             ints[0].data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
             ints[1].data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            scratch.data_ptr(), ISAS.index(native_isa()),
+            scratch.data_ptr(), ISAS.index(native_isa()) | (INVARIANT if self.invariant else 0),
         )  # fmt: skip
         if code != 0:
             raise RuntimeError(f"splitserve_decode_layers failed ({code})")
