@@ -1,9 +1,10 @@
 """Deterministic mode (``EngineConfig.deterministic``, engine/layers/batch_invariant.py) on the
 real SmolLM2 with its default CPU weights (the GGUF file's blocks): a probe prompt's logprobs
 are the same bits alone, in batches of prompts of mixed lengths, prefilled in chunks of two
-sizes, with and without a prefix-cache hit, with n-gram drafts verified, and prefilled on one
-engine and decoded on another; a seeded request at temperature 1 draws the same tokens. The
-default mode is shown not to be invariant, and the kernels under both."""
+sizes, with and without a prefix-cache hit, with n-gram drafts verified, preempted and
+recomputed (twice, in the small pool), on one or two threads, and prefilled on one engine and
+decoded on another; a seeded request at temperature 1 draws the same tokens. The default mode
+is shown not to be invariant, and the kernels under both."""
 
 from __future__ import annotations
 
@@ -64,8 +65,11 @@ def small_chunks(make_llm: Callable[..., LLM]) -> LLM:
 
 @pytest.fixture(scope="module")
 def drafting(make_llm: Callable[..., LLM]) -> LLM:
-    """Prompts prefilled whole, n-gram drafts verified in every decode step."""
-    return make_llm(deterministic=True, speculative=SpeculativeConfig("ngram", 4, dynamic=False))
+    """Prompts prefilled whole, n-gram drafts verified in every decode step, and a KV pool
+    that four of these prompts outgrow: the newest running request is preempted and
+    recomputed."""
+    spec = SpeculativeConfig("ngram", 4, dynamic=False)
+    return make_llm(deterministic=True, speculative=spec, num_kv_blocks=16)
 
 
 def _chat(llm: LLM, text: str) -> list[int]:
@@ -85,7 +89,7 @@ def _bits(out: CompletionOutput) -> list[tuple[int, list[tuple[int, float, int |
     ]
 
 
-def test_a_probes_logprobs_are_the_same_bits_in_any_batch_chunking_cache_and_drafts(
+def test_a_probes_logprobs_are_the_same_bits_in_any_batch_chunking_cache_drafts_preemption(
     small_chunks: LLM, drafting: LLM
 ) -> None:
     alone = _run(small_chunks, [PROBE], GREEDY)[0]
@@ -93,11 +97,12 @@ def test_a_probes_logprobs_are_the_same_bits_in_any_batch_chunking_cache_and_dra
     expected = _bits(alone.outputs[0])
     cached_among_others = _run(small_chunks, [*OTHERS, PROBE], GREEDY)[-1]
     assert cached_among_others.num_cached_tokens > 0
-    whole_first_of_four = _run(drafting, [PROBE, *OTHERS], GREEDY)[0]
-    assert whole_first_of_four.num_cached_tokens == 0
-    for out in (cached_among_others, whole_first_of_four):
+    preempted_last_of_four = _run(drafting, [*OTHERS, PROBE], GREEDY)[-1]
+    assert preempted_last_of_four.num_cached_tokens == 0
+    for out in (cached_among_others, preempted_last_of_four):
         assert _bits(out.outputs[0]) == expected
-    assert drafting.engine.stats().spec_num_accepted_tokens > 0
+    stats = drafting.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.num_preemptions > 0
 
 
 def test_a_probes_logprobs_do_not_depend_on_the_thread_count(small_chunks: LLM) -> None:
