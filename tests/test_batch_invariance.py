@@ -9,6 +9,7 @@ is shown not to be invariant, and the kernels under both."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.attention_backends import make_backend
 from splitserve.engine.layers.batch_invariant import make_batch_invariant
 from splitserve.engine.layers.cpu_gemm import ROW_TILE, set_row_tiles, tiled_linear
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.models.registry import model_class
 from splitserve.engine.request import CompletionOutput, RequestOutput
 from splitserve.engine.shapes import shape_config
@@ -135,6 +137,19 @@ def test_prefill_on_one_engine_and_decode_on_another_gives_the_same_bits(
     outputs: dict[str, RequestOutput] = {}
     disaggregated(drafting.engine, small_chunks.engine, prompts, GREEDY, outputs)
     assert _bits(outputs["1"].outputs[0]) == _bits(colocated)
+
+
+def test_float32_weights_give_a_probe_the_same_bits_alone_and_batched(
+    smollm2_tokenizer: Any,
+) -> None:
+    """Random float32 weights of SmolLM2's shape: nn.Linear projections (row tiles)."""
+    shape = "shape:smollm2-135m?layers=2"
+    config = EngineConfig(shape, max_model_len=256, deterministic=True, max_num_batched_tokens=24)
+    llm = LLM.from_engine(LLMEngine(config, tokenizer=smollm2_tokenizer))
+    ids = [smollm2_tokenizer.encode(text) for text in (PASSAGE, *OTHERS)]
+    alone = llm.generate(ids[:1], GREEDY, use_tqdm=False)[0].outputs[0]
+    batched = llm.generate(ids[1:] + ids[:1], GREEDY, use_tqdm=False)[-1].outputs[0]
+    assert _bits(batched) == _bits(alone)
 
 
 @pytest.mark.skipif(best_isa() == 0, reason="the portable products are invariant by design")
