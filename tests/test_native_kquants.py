@@ -20,7 +20,6 @@ from splitserve.engine.models.registry import model_class
 from splitserve.engine.weight_format import block_weight_plan
 from splitserve.kernels.native.blocks import (
     BLOCK_BYTES,
-    BLOCK_VALUES,
     ISAS,
     Q4_0,
     Q4_K,
@@ -37,24 +36,12 @@ from splitserve.kernels.native.blocks import (
     rounds_one_row,
     to_q8_0,
 )
+from tests.support.blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler here")
 
 TYPES = (Q5_0, Q4_K, Q6_K)
 GGML = {q: GGMLQuantizationType(q) for q in (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)}
-SCALES = {Q4_0: (0,), Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}
-"""Offsets of each block's fp16 scales."""
-
-
-def random_blocks(qtype: int, rows: int, inputs: int, seed: int = 0) -> torch.Tensor:
-    """Random bytes as blocks of qtype, their fp16 scales finite (normal, 0.01)."""
-    rng = np.random.default_rng(seed)
-    shape = (rows, inputs // BLOCK_VALUES[qtype], BLOCK_BYTES[qtype])
-    blocks = rng.integers(0, 256, shape, np.uint8)
-    for at in SCALES[qtype]:
-        scale = (rng.standard_normal(blocks.shape[:2]) * 0.01).astype(np.float16)
-        blocks[..., at : at + 2] = scale[..., None].view(np.uint8)
-    return torch.from_numpy(blocks.reshape(rows, -1))
 
 
 def gguf_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:

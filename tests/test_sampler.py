@@ -66,24 +66,22 @@ def test_seeded_rows_ignore_their_neighbours() -> None:
     assert Sampler(0)(logits[:1], [greedy])[0].token_id == int(logits[0].argmax())
 
 
-def test_skip_draw_advances_a_seeded_generator_as_sampling_one_token_does() -> None:
+def test_a_seeded_draw_depends_on_the_seed_and_the_token_index_alone() -> None:
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-    sampled, skipped, fresh = (Request(name, [1], params) for name in "abc")
-    Sampler(0)(logits, [sampled])
-    Sampler.skip_draw(skipped, vocab_size=50)
-    assert sampled.generator is not None and skipped.generator is not None
-    assert fresh.generator is not None
-    assert torch.equal(skipped.generator.get_state(), sampled.generator.get_state())
-    assert not torch.equal(skipped.generator.get_state(), fresh.generator.get_state())
 
+    def draws(outputs: int, resumed: int = 0, seed: int = 7) -> list[int]:
+        """The tokens drawn for output index outputs + resumed, over 20 draws of the sampler's
+        own (shared) generator in between."""
+        req = Request("r", [1] * (resumed + 1), SamplingParams(temperature=1.0, seed=seed))
+        req.output_token_ids, req.num_resumed = [2] * outputs, resumed
+        sampler = Sampler(seed=outputs)
+        return [sampler(logits, [req])[0].token_id for _ in range(20)]
 
-def test_skip_draw_leaves_greedy_seeded_requests_untouched() -> None:
-    params = SamplingParams(temperature=0.0, seed=7)
-    skipped, fresh = Request("a", [1], params), Request("b", [1], params)
-    Sampler.skip_draw(skipped, vocab_size=50)
-    assert skipped.generator is not None and fresh.generator is not None
-    assert torch.equal(skipped.generator.get_state(), fresh.generator.get_state())
+    third = draws(3)
+    assert third == [third[0]] * 20  # no state carried from one draw to the next
+    assert draws(3) == draws(0, resumed=3) == draws(1, resumed=2)
+    assert len({draws(i)[0] for i in range(12)}) > 4  # the index moves the draw
+    assert len({draws(3, seed=s)[0] for s in range(12)}) > 4  # and so does the seed
 
 
 def test_incremental_detokenizer_matches_full_decode_with_multibyte_text(

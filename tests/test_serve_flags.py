@@ -47,6 +47,12 @@ def test_each_flag_lands_on_the_config() -> None:
     assert config.pools["prefill"].speculative is None
 
 
+def test_deterministic_inference_lands_in_every_pool() -> None:
+    config = configured("--enable-deterministic-inference")
+    assert all(pool.engine.deterministic for pool in config.pools.values())
+    assert not any(pool.engine.deterministic for pool in configured().pools.values())
+
+
 def test_a_config_file_keeps_its_own_values_and_set_wins(tmp_path: Path) -> None:
     path = tmp_path / "deploy.yaml"
     path.write_text(

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16"],
         help="CPU projection weights: the GGUF blocks (auto) or bfloat16 for oneDNN (opt-in)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant inference (EngineConfig.deterministic, docs/engine.md)",
+    )
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -146,6 +151,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graph_max_batch=0 if args.no_cuda_graphs else max(batch_sizes),
         overlap_scheduling=False if args.no_overlap else None,
+        deterministic=args.deterministic,
     )
     runner = llm.engine.runner
     ceilings = measure_ceilings(runner.device, runner.dtype)

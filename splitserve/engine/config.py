@@ -84,6 +84,12 @@ class EngineConfig:
     eplb: EPLBConfig | None = None
     """Rebalance the experts of an expert-parallel group while serving (None: the placement
     stays as it started); it reads the load counters, so not with ``record_expert_load``."""
+    deterministic: bool = False
+    """Batch-invariant inference (``engine/layers/batch_invariant.py``): every row of a step is
+    computed the same way whatever else shares the step, so a prompt's logprobs and tokens are
+    the same bits alone or batched, chunked any way, with or without a prefix-cache hit, and
+    speculative decoding keeps exactly the plain greedy tokens. CPU only so far, for dense
+    models attending over their whole context (Llama family, Qwen); slower (docs/engine.md)."""
     grammar_budget_s: float = 10.0
     """The CPU seconds a structured-output request's constraint work (token masks and
     accepts) may take in all; past it the request ends with finish_reason "error"
@@ -112,6 +118,16 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
+            )
+        if self.deterministic and (
+            self.device != "cpu"
+            or self.cpu_weights != "auto"
+            or self.dtype not in ("auto", "float32")
+        ):
+            raise ValueError(
+                "deterministic is built for device='cpu' in float32 with cpu_weights='auto' "
+                f"only so far, not device={self.device!r} dtype={self.dtype!r} "
+                f"cpu_weights={self.cpu_weights!r}"
             )
         if self.window_replay_allowance is not None and self.window_replay_allowance < 0:
             raise ValueError("window_replay_allowance must be at least 0 (or None: exact)")

@@ -172,7 +172,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, text, self.eos_token_ids, images)
         if params.structured_outputs is not None:
             req.grammar = self.constraints.matcher(params.structured_outputs)
-        resume(req, resumed, self.model_config.vocab_size, resumed_chars)
+        resume(req, resumed, resumed_chars)
         return req
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
@@ -187,7 +187,6 @@ class LLMEngine:
         """Decode here a request whose prompt KV is already in its committed blocks and whose
         first token was sampled on another engine (engine/kv_handoff.py)."""
         self._register(req)
-        self.sampler.skip_draw(req, self.model_config.vocab_size)
         self.append_token(req, first)
         if not req.is_finished:
             req.admitted = True

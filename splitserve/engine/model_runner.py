@@ -127,7 +127,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
             interleave_blocks(model)
-            choose_cpu_paths(model)
+            choose_cpu_paths(model, invariant=self.config.deterministic)
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -286,7 +286,7 @@ class ModelRunner:
             pos.extend(range(start, end))
             table = req.block_table
             slots.extend(self._slot(table, p, req.cached_until) for p in range(start, end))
-            decode = num_new == 1 or verifies[i]  # a verify step's positions: a decode row each
+            decode = num_new == 1 or verifies[i] or self.config.deterministic  # a row each
             steps.append(StepRows(req, start, end, row, decode))
             if decode:
                 decode_tables.extend(table[: -(-p // bs)] for p in range(start + 1, end + 1))
@@ -306,7 +306,7 @@ class ModelRunner:
             decode_block_tables=self._tensor(_pad(decode_tables, width)),
             decode_context_lens=self._tensor(decode_lens),
             prefills=prefills,
-            verify=any(verifies),
+            verify=any(verifies) or len(decode_lens) > len(steps),  # rows of one sequence
         )
         for index, group in enumerate(self.kv_groups[1:], start=1):
             assert group.window is not None

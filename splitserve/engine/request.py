@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.vision.multimodal import ImageInput
 
@@ -108,10 +106,6 @@ class Request:
         """Of that earlier output's text, the characters its client already has."""
         self.grammar: RequestGrammar | None = None
         """The matcher of params.structured_outputs (engine/structured/), set by the engine."""
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,9 +5,8 @@ The new run's prompt is the original prompt followed by those tokens, and ``resu
 many of the prompt's last tokens they are. Sampling then goes on where the earlier run stopped:
 
 - greedy: the next token is the argmax after the same tokens, as it was;
-- a seeded request: its generator (seeded from params.seed) is advanced past one draw per
-  resumed token, exactly as the earlier run's sampler advanced it, so it draws what that run
-  would have drawn next ;
+- a seeded request: its draws are seeded by (seed, output token index), the resumed tokens
+  counted (engine/sampler.py), so it draws what that run would have drawn next;
 - a constrained request: its grammar matcher is fed the resumed tokens, so that it is in the
   state the earlier run's matcher was in;
 - text: the detokenizer replays the resumed tokens (IncrementalDetokenizer.replay) and drops
@@ -21,10 +20,9 @@ The caller (the API server) counts the resumed tokens against max_tokens and min
 from __future__ import annotations
 
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import Sampler
 
 
-def resume(req: Request, resumed: int, vocab_size: int, shown_chars: int = 0) -> None:
+def resume(req: Request, resumed: int, shown_chars: int = 0) -> None:
     """Bring a new request's sampling state past its ``resumed`` output tokens, of whose text
     the client has ``shown_chars`` characters; ValueError if ``resumed`` is out of range or the
     tokens break its constraint."""
@@ -34,6 +32,5 @@ def resume(req: Request, resumed: int, vocab_size: int, shown_chars: int = 0) ->
         raise ValueError(f"resumed_chars must be >= 0, got {shown_chars}")
     req.num_resumed, req.resumed_chars = resumed, shown_chars
     for token in req.prompt_token_ids[req.num_prompt_tokens - resumed :]:
-        Sampler.skip_draw(req, vocab_size)
         if req.grammar is not None and not req.grammar.accept(token):
             raise ValueError(f"resumed token {token} breaks the request's constraint")

@@ -1,8 +1,11 @@
 """Token selection: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
 
-Rows with a seed draw from their own generator, so a seeded request samples the same tokens
-whatever else shares its batch. A request with structured outputs has the tokens its grammar
-forbids masked first. Logprobs are those of the model distribution after that mask.
+A seeded request's draw for its output token i comes from a generator seeded with (seed, i)
+alone (``token_generator``), so its tokens do not depend on what else shares its batch, its
+place in it, a preemption, the worker that draws (a decode worker continuing what a prefill
+worker began, a resumed request) or drafts rejected before. A request with structured outputs
+has the tokens its grammar forbids masked first. Logprobs are those of the model distribution
+after that mask.
 """
 
 from __future__ import annotations
@@ -54,17 +57,28 @@ class Sampler:
         logits = logits / params.temperature
         logits = filter_top_k_top_p_min_p(logits, params.top_k, params.top_p, params.min_p)
         probs = torch.softmax(logits, dim=-1)
-        noise = _noise(probs.shape[-1], req.generator or self.generator)
+        generator = self.generator
+        if params.seed is not None:  # its output so far, an earlier run's included (resume.py)
+            generator = token_generator(params.seed, req.num_resumed + req.num_output_tokens)
+        noise = _noise(probs.shape[-1], generator)
         return int(torch.argmax(probs / noise))
 
-    @staticmethod
-    def skip_draw(req: Request, vocab_size: int) -> None:
-        """Advance a seeded request's generator past one token's draw, as ``_pick`` would have
-        drawn it: for a token sampled on another engine (the first token of a prompt prefilled
-        elsewhere), so that the tokens sampled here next are those a colocated engine samples.
-        Unseeded requests draw from the sampler's shared generator, which is not replayed."""
-        if req.generator is not None and not req.params.greedy:
-            _noise(vocab_size, req.generator)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's finalizer: a 64-bit integer to a well-mixed one."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of a seeded request's draw for its output token ``index``: seeded from
+    (seed, index) alone. Unseeded requests draw from the sampler's shared generator."""
+    return torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ index))
 
 
 def _noise(size: int, generator: torch.Generator) -> torch.Tensor:

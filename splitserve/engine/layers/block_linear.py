@@ -42,11 +42,15 @@ class BlockLinear(nn.Module):
         self.interleaved: torch.Tensor | None = None
         """The weight's interleaved copy (``interleave``), which the AVX-512 kernel takes from a
         few rows; made by ``interleave_blocks`` once the weight is loaded."""
+        self.invariant = False
+        """Batch-invariant products: each row's output the same bits at any row count
+        (deterministic mode, ``batch_invariant.py``; never with ``dequantize_from``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.dequantize_from is None or flat.shape[0] < self.dequantize_from:
-            out = block_matmul(flat, self.weight, self.qtype, interleaved=self.interleaved)
+            il, invariant = self.interleaved, self.invariant
+            out = block_matmul(flat, self.weight, self.qtype, interleaved=il, invariant=invariant)
         else:
             out = dense_gemm(flat, self.dequantized())
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -23,6 +23,9 @@ from torch import nn
 _enabled = True
 _PACKED = "_splitserve_onednn"
 _ROWS = "_splitserve_onednn_rows"
+_TILED = "_splitserve_row_tiles"
+ROW_TILE = 16
+"""Rows per GEMM call of a row-tiled layer (``set_row_tiles``)."""
 
 
 def set_onednn_enabled(enabled: bool) -> None:
@@ -130,3 +133,32 @@ def _packed(layer: nn.Linear) -> torch.Tensor | None:
             held = (key, pack_weight(weight.detach()))
         object.__setattr__(layer, _PACKED, held)
     return held[1]
+
+
+def set_row_tiles(layer: nn.Linear) -> None:
+    """The layer's products become batch-invariant (deterministic mode): ``tiled_linear``."""
+    object.__setattr__(layer, _TILED, True)
+
+
+def row_tiled(layer: nn.Module) -> bool:
+    return bool(getattr(layer, _TILED, False))
+
+
+def tiled_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x) with each row's sums in one order whatever the row count: the rows go to the
+    GEMM ``ROW_TILE`` at a time, the last tile padded with zero rows, so that every call has
+    the same shape. MKL and oneDNN pick their kernels by the row count (on this project's AMD
+    EPYC VM a row of ``F.linear`` differs between 1-3 rows and 4 or more, oneDNN's between 1
+    row and more at K = 1536) but, at one shape, sum each row alike wherever it sits in the
+    tile (tests/test_batch_invariance.py checks the tiles)."""
+    flat = x.reshape(-1, layer.in_features)
+    rows = flat.shape[0]
+    padded = flat.new_zeros(-(-rows // ROW_TILE) * ROW_TILE, layer.in_features)
+    padded[:rows] = flat
+    tiles = [_tile_product(tile, layer) for tile in padded.split(ROW_TILE)]
+    return torch.cat(tiles)[:rows].reshape(*x.shape[:-1], layer.out_features)
+
+
+def _tile_product(tile: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    out = onednn_linear(tile, layer, force=True)
+    return torch.nn.functional.linear(tile, layer.weight, layer.bias) if out is None else out

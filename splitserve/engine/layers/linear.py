@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
-from splitserve.engine.layers.cpu_gemm import onednn_linear
+from splitserve.engine.layers.cpu_gemm import onednn_linear, row_tiled, tiled_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
 
@@ -51,11 +51,13 @@ def _one_row(x: torch.Tensor, layer: nn.Module) -> bool:
 
 def dense(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """layer(x): the layer itself for quantized blocks (``block_linear.py``) and bfloat16
-    weights (``bf16_linear.py``), oneDNN with a packed weight for float32 on the CPU where
-    measured faster (``cpu_gemm.py``), else the layer itself (cuBLAS on CUDA, MKL on the
-    CPU)."""
+    weights (``bf16_linear.py``), fixed row tiles in deterministic mode, oneDNN with a packed
+    weight for float32 on the CPU where measured faster (``cpu_gemm.py``), else the layer
+    itself (cuBLAS on CUDA, MKL on the CPU)."""
     if not isinstance(layer, nn.Linear):
         return layer(x)
+    if row_tiled(layer):
+        return tiled_linear(x, layer)
     out = onednn_linear(x, layer)
     return layer(x) if out is None else out
 

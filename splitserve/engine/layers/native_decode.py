@@ -12,7 +12,9 @@ It applies to Llama-family stacks (Llama, Qwen3 dense, Gemma 3) whose every proj
 Qwen3's and Gemma's RMSNorms over each query and key head, Gemma's norms of the attention's and
 the MLP's outputs, its GeGLU, and its sliding-window layers (their own KV cache group, rotary
 tables and window) included. It runs steps of decode tokens only, with fewer rows than any
-projection's measured switch to dequantized GEMMs; other steps take the modules.
+projection's measured switch to dequantized GEMMs; other steps take the modules. In
+deterministic mode every step is decode rows (prompt chunks included) and the products
+batch-invariant, so every step runs here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from splitserve.engine.layers.attention import AttentionMetadata, TorchAttention
 from splitserve.engine.layers.block_linear import BlockLinear
 from splitserve.kernels.native import decode as native
-from splitserve.kernels.native.blocks import ISAS, native_isa
+from splitserve.kernels.native.blocks import INVARIANT, ISAS, native_isa
 from splitserve.kernels.native.build import load
 
 L_COUNT = 4
@@ -51,6 +53,8 @@ class NativeDecode:
             [p.dequantize_from for p in self._projections() if p.dequantize_from is not None],
             default=1 << 30,
         )
+        self.invariant = all(p.invariant for p in self._projections())
+        """Batch-invariant block products (deterministic mode, ``batch_invariant.py``)."""
         self._cache_ptr = -1
         self._pointers = torch.empty(0, dtype=torch.int64)
         self._ints = torch.empty(0, dtype=torch.int64)
@@ -129,7 +133,7 @@ class NativeDecode:
             x.data_ptr(), residual.data_ptr(), rows, self._pointers.data_ptr(),
             self._ints.data_ptr(), self._types.data_ptr(), self._dims.data_ptr(),
             addresses.data_ptr(), self.eps, self.scale, positions.data_ptr(),
-            scratch.data_ptr(), ISAS.index(native_isa()),
+            scratch.data_ptr(), ISAS.index(native_isa()) | (INVARIANT if self.invariant else 0),
         )  # fmt: skip
         if code != 0:
             raise RuntimeError(f"splitserve_decode_layers failed ({code})")

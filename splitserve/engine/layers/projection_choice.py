@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.layers.batch_invariant import make_batch_invariant
 from splitserve.engine.layers.block_linear import BlockLinear
 from splitserve.engine.layers.cpu_gemm import dense_gemm, onednn_linear, set_onednn_choice
 from splitserve.kernels.native.blocks import NAMES, block_matmul
@@ -66,8 +67,13 @@ def pick(table: tuple[tuple[int, str], ...], rows: int) -> str:
     return chosen
 
 
-def choose_cpu_paths(model: nn.Module) -> list[Choice]:
-    """Measures each distinct CPU projection shape of the model and sets its modules' choice."""
+def choose_cpu_paths(model: nn.Module, invariant: bool = False) -> list[Choice]:
+    """Measures each distinct CPU projection shape of the model and sets its modules' choice;
+    invariant (deterministic mode): measures nothing and gives every projection its
+    batch-invariant product instead (``batch_invariant.py``)."""
+    if invariant:
+        make_batch_invariant(model)
+        return []
     groups: dict[tuple[object, ...], list[nn.Module]] = {}
     for module in model.modules():
         key = _shape_key(module)

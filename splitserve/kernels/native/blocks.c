@@ -130,14 +130,15 @@ int splitserve_best_isa(void) {
     return splitserve_has_avx512() ? ISA_AVX512 : has_avx2() ? ISA_AVX2 : ISA_PORTABLE;
 }
 
-static void matmul_range(int qtype, int isa, const float *x, int64_t M, int64_t K,
+/* The portable path sums each row on its own at any M: it is batch-invariant as it is. */
+static void matmul_range(int qtype, int isa, int invariant, const float *x, int64_t M, int64_t K,
                          const uint8_t *w, int64_t n0, int64_t n1, float *out, int64_t N) {
     if (isa == ISA_PORTABLE)
         matmul_portable(qtype, x, M, K, w, n0, n1, out, N);
     else if (isa == ISA_AVX512)
-        splitserve_avx512_range(qtype, x, M, K, w, n0, n1, out, N);
+        splitserve_avx512_range(qtype, x, M, K, w, n0, n1, out, N, invariant);
     else
-        splitserve_avx2_range(qtype, x, M, K, w, n0, n1, out, N);
+        splitserve_avx2_range(qtype, x, M, K, w, n0, n1, out, N, invariant);
 }
 
 /* Whether w[N, K] can have an interleaved copy (blocks_interleaved.c): the 32-value types whose
@@ -185,17 +186,24 @@ static int one_row16(int qtype, const float *x, int64_t K, const uint8_t *w, int
 
 /* out[M, N] = x[M, K] @ dequant(w[N, K]).T on the instruction set isa (0 portable, 1 AVX2,
  * 2 AVX-512), or the widest below it that this CPU runs. il: w's interleaved copy
- * (splitserve_interleave), or NULL.
+ * (splitserve_interleave), or NULL. isa | BLOCKS_INVARIANT: every row of x is summed in one
+ * order whatever M (and wherever it is among the rows): the interleaved copy at every row count
+ * (its sums are one chain per row and output, blocks_interleaved.c), else passes with as many
+ * accumulators at every row count (blocks.h's BLOCK_TILES), never the one-row 16-bit path.
+ * Each output is one thread's at any thread count, so the split between threads changes
+ * nothing either.
  * Returns 0, -1 for an unknown qtype or K not a multiple of its block's values, -2 when
  * scratch memory cannot be had. */
 int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64_t K,
                             const uint8_t *w, const uint8_t *il, int64_t N, float *out) {
     if (block_bytes(qtype) < 0 || K % block_values(qtype)) return -1;
-    int best = splitserve_best_isa();
+    int invariant = (isa & BLOCKS_INVARIANT) != 0, best = splitserve_best_isa();
+    isa &= ~BLOCKS_INVARIANT;
     isa = isa < best ? isa : best;
-    if (M == 1 && isa == ISA_AVX512 && row16(qtype))
+    if (M == 1 && !invariant && isa == ISA_AVX512 && row16(qtype))
         return one_row16(qtype, x, K, w, N, out);
-    if (isa == ISA_AVX512 && il && interleavable(qtype) && M >= interleaved_from(qtype)) {
+    int from = invariant ? 1 : interleaved_from(qtype);
+    if (isa == ISA_AVX512 && il && interleavable(qtype) && M >= from) {
         int64_t pairs = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
@@ -207,7 +215,7 @@ int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        matmul_range(qtype, isa, x, M, K, w, n0, n1, out, N);
+        matmul_range(qtype, isa, invariant, x, M, K, w, n0, n1, out, N);
     }
     return 0;
 }

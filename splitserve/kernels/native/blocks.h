@@ -23,6 +23,10 @@ static inline int block_bytes(int qtype) {
 }
 int splitserve_block_bytes(int qtype);
 
+/* Or-ed into splitserve_block_matmul's isa: batch-invariant products, each row of x summed in
+ * one order whatever the row count M (deterministic mode, engine/layers/batch_invariant.py). */
+#define BLOCKS_INVARIANT 16
+
 /* Values of a block: 32, or 256 for the K-quants. A block is block_values / 32 parts of 32
  * consecutive values, which every path dequantizes one at a time. */
 static inline int block_values(int qtype) { return qtype == Q4_K || qtype == Q6_K ? QK_K : QK; }
@@ -86,45 +90,56 @@ static inline void k_scales(int qtype, const uint8_t *b, kscales *s) {
  * runs it. */
 int splitserve_has_avx512(void);
 void splitserve_avx2_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                           int64_t n0, int64_t n1, float *out, int64_t N);
+                           int64_t n0, int64_t n1, float *out, int64_t N, int invariant);
 void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                             int64_t n0, int64_t n1, float *out, int64_t N);
+                             int64_t n0, int64_t n1, float *out, int64_t N, int invariant);
 /* An instruction set's block products over outputs [n0, n1) (blocks_avx2.c, blocks_avx512.c):
- * per type, passes PASS(qtype, x, m0, MT, K, w, n0, n1, out, N) over 8 rows of x at a time and
- * one over the rest, MT a constant in each call so that every row count compiles on its own;
- * RANGE(qtype, ...) picks the type's. ATTR: the instruction set's target attribute. */
-#define BLOCK_TILES(ATTR, PASS, Q)                                                      \
+ * per type, passes PASS(qtype, x, m0, MT, A, K, w, n0, n1, out, N) over 8 rows of x at a time
+ * and one over the rest, MT a constant in each call so that every row count compiles on its
+ * own; A, the accumulators a row keeps, is ACCS(MT) (fewer rows, more accumulators), or
+ * INVARIANT_ACCS at every row count when invariant is set, so that each row's sums run in one
+ * order whatever M. RANGE(qtype, ..., invariant) picks the type's. ATTR: the instruction set's
+ * target attribute. */
+#define BLOCK_PASS(PASS, Q, MT, ACCS, INVARIANT_ACCS)                                   \
+    do {                                                                                \
+        if (invariant)                                                                  \
+            PASS(Q, x, m, MT, INVARIANT_ACCS, K, w, n0, n1, out, N);                    \
+        else                                                                            \
+            PASS(Q, x, m, MT, ACCS(MT), K, w, n0, n1, out, N);                          \
+    } while (0)
+#define BLOCK_TILES(ATTR, PASS, ACCS, INV, Q)                                           \
     ATTR static void tiles_##Q(const float *x, int64_t M, int64_t K, const uint8_t *w,  \
-                               int64_t n0, int64_t n1, float *out, int64_t N) {         \
+                               int64_t n0, int64_t n1, float *out, int64_t N,           \
+                               int invariant) {                                         \
         int64_t m = 0;                                                                  \
-        for (; m + 8 <= M; m += 8) PASS(Q, x, m, 8, K, w, n0, n1, out, N);              \
+        for (; m + 8 <= M; m += 8) BLOCK_PASS(PASS, Q, 8, ACCS, INV);                   \
         switch (M - m) {                                                                \
-        case 7: PASS(Q, x, m, 7, K, w, n0, n1, out, N); break;                          \
-        case 6: PASS(Q, x, m, 6, K, w, n0, n1, out, N); break;                          \
-        case 5: PASS(Q, x, m, 5, K, w, n0, n1, out, N); break;                          \
-        case 4: PASS(Q, x, m, 4, K, w, n0, n1, out, N); break;                          \
-        case 3: PASS(Q, x, m, 3, K, w, n0, n1, out, N); break;                          \
-        case 2: PASS(Q, x, m, 2, K, w, n0, n1, out, N); break;                          \
-        case 1: PASS(Q, x, m, 1, K, w, n0, n1, out, N); break;                          \
+        case 7: BLOCK_PASS(PASS, Q, 7, ACCS, INV); break;                               \
+        case 6: BLOCK_PASS(PASS, Q, 6, ACCS, INV); break;                               \
+        case 5: BLOCK_PASS(PASS, Q, 5, ACCS, INV); break;                               \
+        case 4: BLOCK_PASS(PASS, Q, 4, ACCS, INV); break;                               \
+        case 3: BLOCK_PASS(PASS, Q, 3, ACCS, INV); break;                               \
+        case 2: BLOCK_PASS(PASS, Q, 2, ACCS, INV); break;                               \
+        case 1: BLOCK_PASS(PASS, Q, 1, ACCS, INV); break;                               \
         default: break;                                                                 \
         }                                                                               \
     }
-#define BLOCK_PRODUCTS(ATTR, PASS, RANGE)                                               \
-    BLOCK_TILES(ATTR, PASS, Q4_0)                                                       \
-    BLOCK_TILES(ATTR, PASS, Q4_1)                                                       \
-    BLOCK_TILES(ATTR, PASS, Q5_0)                                                       \
-    BLOCK_TILES(ATTR, PASS, Q8_0)                                                       \
-    BLOCK_TILES(ATTR, PASS, Q4_K)                                                       \
-    BLOCK_TILES(ATTR, PASS, Q6_K)                                                       \
+#define BLOCK_PRODUCTS(ATTR, PASS, ACCS, INV, RANGE)                                    \
+    BLOCK_TILES(ATTR, PASS, ACCS, INV, Q4_0)                                            \
+    BLOCK_TILES(ATTR, PASS, ACCS, INV, Q4_1)                                            \
+    BLOCK_TILES(ATTR, PASS, ACCS, INV, Q5_0)                                            \
+    BLOCK_TILES(ATTR, PASS, ACCS, INV, Q8_0)                                            \
+    BLOCK_TILES(ATTR, PASS, ACCS, INV, Q4_K)                                            \
+    BLOCK_TILES(ATTR, PASS, ACCS, INV, Q6_K)                                            \
     void RANGE(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,      \
-               int64_t n0, int64_t n1, float *out, int64_t N) {                         \
+               int64_t n0, int64_t n1, float *out, int64_t N, int invariant) {          \
         switch (qtype) {                                                                \
-        case Q4_0: tiles_Q4_0(x, M, K, w, n0, n1, out, N); break;                       \
-        case Q4_1: tiles_Q4_1(x, M, K, w, n0, n1, out, N); break;                       \
-        case Q5_0: tiles_Q5_0(x, M, K, w, n0, n1, out, N); break;                       \
-        case Q8_0: tiles_Q8_0(x, M, K, w, n0, n1, out, N); break;                       \
-        case Q4_K: tiles_Q4_K(x, M, K, w, n0, n1, out, N); break;                       \
-        case Q6_K: tiles_Q6_K(x, M, K, w, n0, n1, out, N); break;                       \
+        case Q4_0: tiles_Q4_0(x, M, K, w, n0, n1, out, N, invariant); break;            \
+        case Q4_1: tiles_Q4_1(x, M, K, w, n0, n1, out, N, invariant); break;            \
+        case Q5_0: tiles_Q5_0(x, M, K, w, n0, n1, out, N, invariant); break;            \
+        case Q8_0: tiles_Q8_0(x, M, K, w, n0, n1, out, N, invariant); break;            \
+        case Q4_K: tiles_Q4_K(x, M, K, w, n0, n1, out, N, invariant); break;            \
+        case Q6_K: tiles_Q6_K(x, M, K, w, n0, n1, out, N, invariant); break;            \
         default: break;                                                                 \
         }                                                                               \
     }

@@ -90,18 +90,25 @@ def in_features(qtype: int, blocks: torch.Tensor) -> int:
     return blocks.shape[-1] // BLOCK_BYTES[qtype] * BLOCK_VALUES[qtype]
 
 
+INVARIANT = 16
+"""Or-ed into the C functions' isa argument: batch-invariant products (blocks.h)."""
+
+
 def block_matmul(
     x: torch.Tensor,
     blocks: torch.Tensor,
     qtype: int,
     isa: str | None = None,
     interleaved: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(blocks [N, ...]).T -> [M, N] float32 (native kernel).
 
     isa names the instruction set (tests and benchmarks compare them); None: ``native_isa()``.
     One the CPU lacks falls back to the widest below it. interleaved: ``interleave(blocks)``,
-    which the AVX-512 path takes from two rows (Q8_0: eight; blocks.c)."""
+    which the AVX-512 path takes from two rows (Q8_0: eight; blocks.c). invariant: every row's
+    sums run in one order whatever M, so a row's output is the same bits alone or among any
+    others (deterministic mode; the interleaved copy then serves every row count)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not built")
@@ -110,7 +117,7 @@ def block_matmul(
     if x.dtype != torch.float32 or x.shape[-1] != k or blocks.dtype != torch.uint8:
         raise ValueError(f"block_matmul needs float32 [M, {k}] and uint8 blocks")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    level = ISAS.index(isa or native_isa())
+    level = ISAS.index(isa or native_isa()) | (INVARIANT if invariant else 0)
     il = None if interleaved is None else interleaved.data_ptr()
     code = lib.splitserve_block_matmul(
         qtype, level, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), il, n, out.data_ptr()

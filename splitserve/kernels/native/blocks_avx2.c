@@ -155,15 +155,21 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Outputs [n0, n1) for rows [m0, m0 + MT) of x; MT is a constant after inlining. Each row
- * keeps A accumulators (8 for one row, 4 for two, 2 for up to four) so that the FMAs of a
- * block are not one dependency chain: with a single accumulator a one-row step waited on FMA
- * latency (257 against 292 us for SmolLM2's gate|up at one row, one thread). */
-INLINE void tile_avx2(int qtype, const float *x, int64_t m0, const int MT, int64_t K,
-                      const uint8_t *w, int64_t n0, int64_t n1, float *out, int64_t N) {
+/* The accumulators a row keeps in a pass of MT rows (8 for one row, 4 for two, 2 for up to
+ * four, else 1) so that the FMAs of a block are not one dependency chain: with a single
+ * accumulator a one-row step waited on FMA latency (257 against 292 us for SmolLM2's gate|up
+ * at one row, one thread). Batch-invariant products keep one at every row count (eight rows
+ * of two would take all 16 ymm registers). */
+#define ACCS(MT) ((MT) == 1 ? 8 : (MT) == 2 ? 4 : (MT) <= 4 ? 2 : 1)
+#define INVARIANT_ACCS 1
+
+/* Outputs [n0, n1) for rows [m0, m0 + MT) of x, A accumulators a row; MT and A are constants
+ * after inlining. */
+INLINE void tile_avx2(int qtype, const float *x, int64_t m0, const int MT, const int A,
+                      int64_t K, const uint8_t *w, int64_t n0, int64_t n1, float *out,
+                      int64_t N) {
     const int values = block_values(qtype);
     int64_t nb = K / values, bytes = block_bytes(qtype);
-    const int A = MT == 1 ? 8 : MT == 2 ? 4 : MT <= 4 ? 2 : 1;
     for (int64_t n = n0; n < n1; n++) {
         __m256 acc[8][ACC];
         for (int r = 0; r < MT; r++)
@@ -188,11 +194,12 @@ INLINE void tile_avx2(int qtype, const float *x, int64_t m0, const int MT, int64
     }
 }
 
-BLOCK_PRODUCTS(AVX2, tile_avx2, splitserve_avx2_range)
+BLOCK_PRODUCTS(AVX2, tile_avx2, ACCS, INVARIANT_ACCS, splitserve_avx2_range)
 
 #else /* not x86-64: splitserve_block_matmul never asks for AVX2 */
 void splitserve_avx2_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                           int64_t n0, int64_t n1, float *out, int64_t N) {
+                           int64_t n0, int64_t n1, float *out, int64_t N, int invariant) {
     (void)qtype, (void)x, (void)M, (void)K, (void)w, (void)n0, (void)n1, (void)out, (void)N;
+    (void)invariant;
 }
 #endif

@@ -165,18 +165,22 @@ INLINE void q8_0_row(const float *x, int64_t nb, const uint8_t *w, int64_t n0, i
     }
 }
 
-/* Outputs [n0, n1) for rows [m0, m0 + MT) of x; MT is a constant after inlining. One output at
- * a time: walking two or four weight rows side by side (to share the loads of x) was faster
- * with the weights in cache but up to 3x slower streaming them from memory (SmolLM2's LM
- * head). Each row keeps A accumulators (4 for one row, 2 for two, else 1), parts taken in
- * pairs, so that a one-row pass is not one FMA dependency chain. The blocks go two at a time
- * so that every accumulator's index is a constant: with the index computed per block, the
- * accumulators lived on the stack and a one-row Q8_0 product ran at half the speed. */
-INLINE void rows(int qtype, const float *x, int64_t m0, const int MT, int64_t K,
+/* The accumulators a row keeps in a pass of MT rows (4 for one row, 2 for two, else 1), parts
+ * taken in pairs, so that a one-row pass is not one FMA dependency chain. Batch-invariant
+ * products keep two at every row count (16 of the 32 zmm registers at eight rows). */
+#define ACCS(MT) ((MT) == 1 ? 4 : (MT) == 2 ? 2 : 1)
+#define INVARIANT_ACCS 2
+
+/* Outputs [n0, n1) for rows [m0, m0 + MT) of x, A accumulators a row; MT and A are constants
+ * after inlining. One output at a time: walking two or four weight rows side by side (to share
+ * the loads of x) was faster with the weights in cache but up to 3x slower streaming them from
+ * memory (SmolLM2's LM head). The blocks go two at a time so that every accumulator's index is
+ * a constant: with the index computed per block, the accumulators lived on the stack and a
+ * one-row Q8_0 product ran at half the speed. */
+INLINE void rows(int qtype, const float *x, int64_t m0, const int MT, const int A, int64_t K,
                  const uint8_t *w, int64_t n0, int64_t n1, float *out, int64_t N) {
     int64_t nb = K / block_values(qtype), bytes = block_bytes(qtype);
-    const int A = MT == 1 ? 4 : MT == 2 ? 2 : 1;
-    if (qtype == Q8_0 && MT == 1) {
+    if (qtype == Q8_0 && MT == 1 && A == ACCS(1)) { /* not a batch-invariant pass */
         q8_0_row(x + m0 * K, nb, w, n0, n1, out + m0 * N);
         return;
     }
@@ -204,13 +208,14 @@ int splitserve_has_avx512(void) {
            __builtin_cpu_supports("f16c");
 }
 
-BLOCK_PRODUCTS(AVX512, rows, splitserve_avx512_range)
+BLOCK_PRODUCTS(AVX512, rows, ACCS, INVARIANT_ACCS, splitserve_avx512_range)
 
 #else /* not x86-64: no AVX-512, and splitserve_block_matmul never asks for it */
 int splitserve_has_avx512(void) { return 0; }
 
 void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                             int64_t n0, int64_t n1, float *out, int64_t N) {
+                             int64_t n0, int64_t n1, float *out, int64_t N, int invariant) {
     (void)qtype, (void)x, (void)M, (void)K, (void)w, (void)n0, (void)n1, (void)out, (void)N;
+    (void)invariant;
 }
 #endif

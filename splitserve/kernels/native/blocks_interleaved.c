@@ -130,7 +130,8 @@ INLINE void il_pass(int qtype, const float *x, const int MT, int64_t K, const ui
         }                                                                                     \
     }
 INTERLEAVED(Q4_0)
-INTERLEAVED(Q4_1) /* Q8_0 always takes the panel below */
+INTERLEAVED(Q4_1)
+INTERLEAVED(Q8_0) /* below panel_from's 8 rows: only batch-invariant products come here */
 
 /* ---- Many rows: a dequantized panel ----
  * From panel_from() rows the pair's 32 outputs are dequantized once per step into a float32
@@ -144,9 +145,9 @@ INTERLEAVED(Q4_1) /* Q8_0 always takes the panel below */
 
 /* Rows from which a pair takes the panel: the 4-bit types' passes above are as fast up to 12
  * rows (SmolLM2's gate|up: 195 us either way, 128 against 144 us at 8 rows). Q8_0's passes were
- * slower from the 8 rows at which it takes the interleaved copy at all (the LM head: 2.43
- * against 2.28 ms at 8 rows, 3.60 against 3.15 at 12; one Zen 5 thread), so Q8_0 always takes
- * the panel. */
+ * slower from the 8 rows at which it takes the interleaved copy by default (the LM head: 2.43
+ * against 2.28 ms at 8 rows, 3.60 against 3.15 at 12; one Zen 5 thread), so Q8_0 takes the
+ * passes only below 8 rows, in batch-invariant products. */
 static int panel_from(int qtype) { return qtype == Q8_0 ? 8 : 16; }
 
 /* Blocks [0, blocks) of the pair whose group 0 starts at il (group 1 stride blocks later)
@@ -250,6 +251,8 @@ void splitserve_avx512_interleaved(int qtype, const float *x, int64_t M, int64_t
         }
     } else if (qtype == Q4_1) {
         PASSES(IL_MT, il_rows_Q4_1(xm, rows, K, w, om, N, n, valid, p ? NULL : next));
+    } else if (qtype == Q8_0) {
+        PASSES(IL_MT, il_rows_Q8_0(xm, rows, K, w, om, N, n, valid, p ? NULL : next));
     } else {
         PASSES(IL_MT, il_rows_Q4_0(xm, rows, K, w, om, N, n, valid, p ? NULL : next));
     }

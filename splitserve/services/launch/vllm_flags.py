@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--speculative-config", default=None, metavar="JSON")
     vllm.add_argument("--kv-cache-dtype", default=None, help="only auto (the model's dtype)")
     vllm.add_argument("--quantization", default=None, help="only gguf (a GGUF file's own)")
+    vllm.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="SGLang's flag: batch-invariant inference in every pool (engine.deterministic)",
+    )
     vllm.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None)
     vllm.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None)
     vllm.add_argument(
@@ -74,6 +79,8 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
             values[f"pools.*.engine.{name}"] = getattr(args, flag)
     if args.dtype is not None:
         values["pools.*.engine.dtype"] = DTYPES[args.dtype]
+    if args.enable_deterministic_inference:
+        values["pools.*.engine.deterministic"] = True
     if args.device is not None:
         values["pools.*.device"] = args.device
     if args.speculative_config is not None:
