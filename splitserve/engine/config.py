@@ -43,6 +43,12 @@ class EngineConfig:
     holds every projection and the LM head in bfloat16 for oneDNN, the activations, attention
     and KV cache float32 (``engine/layers/bf16_linear.py``): faster at many rows, not the
     float32 oracle's arithmetic, so opt-in."""
+    quantization: str | None = None
+    """"fp8": the decoder layers' projections and routed experts hold e4m3 weights with one
+    float32 scale per 128 x 128 block and multiply FP8 x FP8, the input quantized per token
+    and 128-channel group (``engine/layers/fp8_linear.py``); a DeepSeek-format FP8
+    checkpoint loads its blocks as they are, any other checkpoint (or ``shape:``) is quantized
+    at load. None: the weights keep the checkpoint's values in ``dtype``."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
@@ -108,6 +114,15 @@ class EngineConfig:
             raise ValueError(
                 "cpu_weights='bfloat16' is for device='cpu' with float32 activations "
                 f"(dtype 'auto' or 'float32'), not device={self.device!r} dtype={self.dtype!r}"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, not {self.quantization!r}")
+        if self.quantization is not None and (
+            self.expert_parallel_size > 1 or self.cpu_weights != "auto"
+        ):
+            raise ValueError(
+                "quantization='fp8' is not built for expert_parallel_size > 1 or with "
+                "cpu_weights='bfloat16'"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(

@@ -18,13 +18,11 @@ from splitserve.engine.kv_cache_spec import KVCacheGroup
 from splitserve.engine.kv_groups import StepRows, pool_sizes, window_metadata
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.attention_backends import choose_backend, make_backend
-from splitserve.engine.layers.bf16_linear import to_bf16_layers
-from splitserve.engine.layers.block_linear import interleave_blocks, to_block_layers
+from splitserve.engine.layers.block_linear import interleave_blocks
 from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.layers.expert_placement import GroupMember
 from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.projection_choice import choose_cpu_paths
-from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.registry import expert_parallel, model_class
@@ -34,7 +32,7 @@ from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
-from splitserve.engine.weight_format import block_weight_plan
+from splitserve.engine.weight_format import convert_weights, load_checkpoint
 from splitserve.kernels.dispatch import triton_available
 
 if TYPE_CHECKING:
@@ -116,14 +114,8 @@ class ModelRunner:
                 )
         finally:
             torch.set_default_dtype(previous)
-        if weights_path is not None:
-            plan = block_weight_plan(self.config, weights_path, model, cfg.tie_word_embeddings)
-            to_block_layers(model, plan.types)
-            model.load_weights(
-                text_weights(plan.weights(iter_weights(weights_path, cfg, plan.keep)))
-            )
-        if self.device.type == "cpu" and self.config.cpu_weights == "bfloat16":
-            to_bf16_layers(model)
+        loaded_fp8 = weights_path is not None and load_checkpoint(self.config, model, weights_path)
+        convert_weights(self.config, model, loaded_fp8)
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
             interleave_blocks(model)
