@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("triton")
 
+from splitserve.engine.fp8_weights import to_fp8_layers
+from splitserve.engine.layers.moe import SparseMoE
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.model_config import MoEConfig
+from splitserve.kernels.dispatch import set_kernels_on_cpu
 from splitserve.kernels.fp8_quant import (
     BlockFp8,
     fp8_grouped_ref,
@@ -58,3 +64,25 @@ def test_the_reference_is_the_float32_product_of_the_dequantized_operands() -> N
     x_scale = torch.tensor([[1.0, 0.25]])
     out = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
     assert out.tolist() == [[128 * 2 * 0.5 + 128 * 2 * 4.0 * 0.25] * 2]
+
+
+def test_fp8_layers_on_the_kernels_equal_the_cpu_path() -> None:
+    """An FP8 MoE layer (gathered rows, two grouped GEMMs) and an FP8 projection through the
+    Triton kernels, against the same layers on the torch reference."""
+    torch.manual_seed(3)
+    moe = SparseMoE(160, MoEConfig(num_experts=4, top_k=2, intermediate_size=64, renormalize=True))
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.ModuleDict({"mlp": moe, "proj": nn.Linear(160, 48)})])
+    assert to_fp8_layers(model) == 2
+    proj = model.layers[0]["proj"]
+    x = torch.randn(6, 160)
+    norm = RMSNorm(160, 1e-6)
+    with torch.no_grad():
+        expected = moe(x, None, norm)[0], proj(x)
+        set_kernels_on_cpu(True)
+        try:
+            got = moe(x, None, norm)[0], proj(x)
+        finally:
+            set_kernels_on_cpu(False)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
