@@ -21,6 +21,7 @@ from splitserve.engine.layers.attention_backends import choose_backend, make_bac
 from splitserve.engine.layers.block_linear import interleave_blocks
 from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.layers.expert_placement import GroupMember
+from splitserve.engine.layers.fp8_kv import fp8_groups
 from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.projection_choice import choose_cpu_paths
 from splitserve.engine.model_config import ModelConfig
@@ -34,6 +35,7 @@ from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
 from splitserve.engine.weight_format import convert_weights, load_checkpoint
 from splitserve.kernels.dispatch import triton_available
+from splitserve.kernels.fp8_quant import FP8
 
 if TYPE_CHECKING:
     from splitserve.engine.structured.matcher import RequestGrammar
@@ -63,6 +65,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
+        self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else self.dtype
+        """The KV cache's dtype: the model's, or e4m3 with scales in each row (fp8_kv.py)."""
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.model = self._build_model(weights_path)
@@ -95,9 +99,9 @@ class ModelRunner:
 
     def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
         cfg = self.model_config
-        windowed = cfg.local_attention is not None
+        windowed, fp8_cache = cfg.local_attention is not None, self.kv_dtype == FP8
         name = choose_backend(
-            self.config.attention_backend, self.device.type, triton_available(), windowed
+            self.config.attention_backend, self.device.type, triton_available(), windowed, fp8_cache
         )
         backend = make_backend(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         previous = torch.get_default_dtype()
@@ -127,14 +131,14 @@ class ModelRunner:
         return self.kv_groups[0].spec.values_per_token() * self.block_size * self._element()
 
     def _element(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.kv_dtype).element_size()
 
     def _kv_groups(self) -> list[KVCacheGroup]:
         groups = self.model.kv_cache_groups()
         if len(groups) > 1 and not self.config.hybrid_kv_cache:
             layers = tuple(range(self.model_config.num_layers))
-            return [KVCacheGroup(self.model.kv_cache_spec(), layers)]
-        return groups
+            groups = [KVCacheGroup(self.model.kv_cache_spec(), layers)]
+        return groups if self.kv_dtype != FP8 else fp8_groups(groups, self.model_config)
 
     def _allocate_kv_cache(self) -> int:
         """One paged tensor per KV cache group; returns group 0's block count (the sliding
@@ -155,7 +159,7 @@ class ModelRunner:
         # (in a window group, its null block). Zeroed: masked attention over never-written
         # slots must not meet NaN bit patterns.
         self.kv_caches = [
-            zeroed(g.spec.shape(n + 1, self.block_size), self.dtype, self.device)
+            zeroed(g.spec.shape(n + 1, self.block_size), self.kv_dtype, self.device)
             for g, n in zip(self.kv_groups, sizes)
         ]
         self.kv_cache = self.kv_caches[0]
@@ -202,7 +206,7 @@ class ModelRunner:
         return (blocks, kv, layers, block, heads, dim)
 
     def scatter_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.dtype)
+        self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.kv_dtype)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         parts, layers, _, block, heads, dim = self.kv_cache.shape

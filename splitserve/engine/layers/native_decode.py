@@ -68,6 +68,8 @@ class NativeDecode:
             )
             if not all(isinstance(p, BlockLinear) for p in projections):
                 return None
+            if attn.k_cache.dtype != torch.float32:  # an FP8 cache (layers/fp8_kv.py)
+                return None
             if type(attn.backend) is not TorchAttention or attn.backend.sliding_window:
                 return None
             if getattr(attn, "q_norm", None) is not None:  # Qwen3's and Gemma's q/k norms
