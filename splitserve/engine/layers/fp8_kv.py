@@ -7,7 +7,7 @@ the cache tensor is float8_e4m3fn ``[parts, layers, blocks, block_size, heads, h
 scale would change as the block fills) and rides inside the block, so the block manager,
 prefix cache, tiered store and prefill -> decode handoff move FP8 blocks as the opaque byte
 slices they already move, at ``(head_dim + 4) / (2 * head_dim)`` of bfloat16's bytes
-(0.53 for head_dim 64 and 128... 0.52 at 128).
+(0.53 at head_dim 64, 0.52 at 128).
 
 Attention writes each new row quantized and reads the cache through ``unpack_kv``; a prefill
 chunk attends to its own K/V rounded the same way (``rounded_kv``), so a prompt computed in
