@@ -51,9 +51,8 @@ class EngineConfig:
     at load. None: the weights keep the checkpoint's values in ``dtype``."""
     kv_cache_dtype: str = "auto"
     """"fp8": the KV cache holds e4m3 values with one float32 scale per token and KV head,
-    stored inside the block (``engine/layers/fp8_kv.py``), read by the torch attention
-    (the Triton attention kernels and latent/compressed caches do not read it yet); "auto":
-    the model's dtype."""
+    stored inside the block (``engine/layers/fp8_kv.py``), read by both attention backends
+    (latent and compressed caches do not take it yet); "auto": the model's dtype."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
@@ -131,8 +130,6 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', not {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8" and self.attention_backend == "triton":
-            raise ValueError("kv_cache_dtype='fp8' is read by the torch attention backend only")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"

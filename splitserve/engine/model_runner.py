@@ -99,9 +99,9 @@ class ModelRunner:
 
     def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
         cfg = self.model_config
-        windowed, fp8_cache = cfg.local_attention is not None, self.kv_dtype == FP8
+        windowed = cfg.local_attention is not None
         name = choose_backend(
-            self.config.attention_backend, self.device.type, triton_available(), windowed, fp8_cache
+            self.config.attention_backend, self.device.type, triton_available(), windowed
         )
         backend = make_backend(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         previous = torch.get_default_dtype()

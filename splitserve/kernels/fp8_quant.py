@@ -27,6 +27,9 @@ BLOCK = 128
 """The weight block's rows and columns, and the activation group's channels."""
 TINY = 1e-12
 """The smallest scale's numerator: an all-zero block keeps a finite scale (its values 0)."""
+KV_SCALE_VALUES = 4
+"""An FP8 KV cache row's last e4m3 slots, which hold its float32 scale's bytes
+(``engine/layers/fp8_kv.py``); the attention kernels read them."""
 
 
 @dataclass(frozen=True)

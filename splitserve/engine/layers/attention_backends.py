@@ -8,20 +8,15 @@ from splitserve.engine.layers.attention import AttentionBackend, TorchAttention
 
 
 def choose_backend(
-    name: str,
-    device_type: str,
-    triton_available: bool,
-    sliding_window: bool = False,
-    fp8_cache: bool = False,
+    name: str, device_type: str, triton_available: bool, sliding_window: bool = False
 ) -> str:
     """The backend ``name`` stands for on a device: ``auto`` is the fastest correct one, the
     Triton kernels on CUDA where Triton is installed (7.6x the torch path on an H200 for
-    SmolLM2, issue 46), torch elsewhere (CPU, Ascend, CUDA without Triton), for models
-    with sliding-window layers (Gemma 3: the Triton kernels have no window yet) and over an
-    FP8 KV cache (``layers/fp8_kv.py``: the Triton kernels do not read it yet)."""
+    SmolLM2, issue 46), torch elsewhere (CPU, Ascend, CUDA without Triton) and for models
+    with sliding-window layers (Gemma 3: the Triton kernels have no window yet)."""
     if name != "auto":
         return name
-    fast = device_type == "cuda" and triton_available and not (sliding_window or fp8_cache)
+    fast = device_type == "cuda" and triton_available and not sliding_window
     return "triton" if fast else "torch"
 
 

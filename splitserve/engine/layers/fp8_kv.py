@@ -23,9 +23,7 @@ import torch
 from splitserve.engine.kv_cache_spec import KVCacheGroup
 from splitserve.engine.model_config import ModelConfig
 from splitserve.kernels.fp8_quant import FP8, FP8_MAX, TINY
-
-SCALE_VALUES = 4
-"""The e4m3 slots of a row that hold its float32 scale's bytes."""
+from splitserve.kernels.fp8_quant import KV_SCALE_VALUES as SCALE_VALUES
 
 
 def fp8_groups(groups: list[KVCacheGroup], model: ModelConfig) -> list[KVCacheGroup]:
