@@ -4,6 +4,7 @@ handoff carry the blocks as they are, at 68 / 256 of SmolLM2's float32 bytes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.shapes import shape_config
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 from tests.support.handoff import disaggregated
+from tests.support.reference import PROMPT, prompt_logits
+from tests.support.tiny_models import CALM, tiny_deepseek_v3
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 CHATS = ["What is the capital of France?", "How do I boil an egg?"]
@@ -63,8 +66,31 @@ def test_smollm2_with_an_fp8_cache_answers_as_float32_and_carries_its_blocks(
     ]
 
 
+def test_a_latent_cache_in_fp8_tracks_float32_and_reads_back_its_prefix(
+    smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    """Tiny DeepSeek-V3: one e4m3 row of latent | RoPE key (32 + 16) and one scale a token
+    and layer. Stated tolerance: a prompt's logits within 6% RMS of their spread of the
+    float32 cache's (measured 2.9%), the top token equal at 15 of 16 positions or more
+    (measured 16); the greedy tokens again from the prefix cache, which prefill reads back."""
+    _, path = tiny_deepseek_v3(smollm2_tokenizer, tmp_path, **CALM)
+    fp8 = LLM(model=path, max_model_len=64, block_size=8, kv_cache_dtype="fp8")
+    reference = LLM(model=path, max_model_len=64, block_size=8)
+    cache = fp8.engine.runner.kv_cache
+    assert cache.dtype == torch.float8_e4m3fn and cache.shape[-2:] == (1, 52)
+    got, expected = prompt_logits(fp8), prompt_logits(reference)
+    spread = (expected - expected.mean(dim=-1, keepdim=True)).norm()
+    assert (got - expected).norm() / spread < 0.06
+    assert int((got.argmax(-1) == expected.argmax(-1)).sum()) >= 15
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [[*PROMPT, 3, 4]]
+    first = fp8.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert fp8.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert fp8.engine.stats().cached_tokens_by_tier["device"] == 16
+
+
 def test_fp8_cache_is_refused_where_no_attention_reads_it() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8e5m2")
-    with pytest.raises(ValueError, match="not built for deepseek_v3"):
-        fp8_groups([], shape_config("tiny-deepseek-v3"))
+    with pytest.raises(ValueError, match="not built for deepseek_v4"):
+        fp8_groups([], shape_config("tiny-deepseek-v4"))

@@ -13,7 +13,6 @@ from torch import nn
 
 from splitserve import LLM
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.fp8_linear import Fp8Linear
 from splitserve.engine.layers.moe import SparseMoE
 from splitserve.kernels.fp8_quant import (
@@ -23,9 +22,8 @@ from splitserve.kernels.fp8_quant import (
     quantize_blocks,
     quantize_groups,
 )
-from tests.support.tiny_models import tiny_deepseek_v3, tiny_model, tiny_qwen3_moe
-
-PROMPT = [5, 900, 31, 7000, 12, 48, 2001, 17, 333, 90, 4, 1234, 77, 640, 9, 15000]
+from tests.support.reference import prompt_logits
+from tests.support.tiny_models import CALM, tiny_deepseek_v3, tiny_model, tiny_qwen3_moe
 
 
 def test_quantize_blocks_scales_each_block_to_the_largest_e4m3() -> None:
@@ -59,22 +57,6 @@ def test_an_fp8_projection_is_the_product_of_its_dequantized_operands() -> None:
     assert (rounded - x.reshape(12, 200)).norm() / x.norm() < 0.04
 
 
-def prompt_logits(llm: LLM) -> torch.Tensor:
-    """Every position's logits for PROMPT, one prefill through the paged cache."""
-    model, tokens = llm.engine.runner.model, len(PROMPT)
-    block = llm.engine.config.block_size
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(tokens),
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
-        decode_context_lens=torch.zeros(0, dtype=torch.long),
-        prefills=[PrefillSegment(0, tokens, tokens, torch.arange(-(-tokens // block)))],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(PROMPT), torch.arange(tokens), meta)
-        return model.compute_logits(hidden).float()
-
-
 def dequantize_into(reference: nn.Module, fp8: nn.Module) -> int:
     """Gives the float model the FP8 model's weights, dequantized; returns how many."""
     done = 0
@@ -94,8 +76,6 @@ def dequantize_into(reference: nn.Module, fp8: nn.Module) -> int:
     return done
 
 
-CALM = {"initializer_range": 0.05}
-"""The tiny models' weights at 0.3 (their default) make every layer amplify a rounding."""
 FAMILIES = {
     "llama": lambda tok, path: tiny_model(tok, path, "llama", seed=1, **CALM),
     "qwen3_moe": lambda tok, path: tiny_qwen3_moe(tok, path, **CALM),

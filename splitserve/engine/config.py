@@ -52,7 +52,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """"fp8": the KV cache holds e4m3 values with one float32 scale per token and KV head,
     stored inside the block (``engine/layers/fp8_kv.py``), read by both attention backends
-    (latent and compressed caches do not take it yet); "auto": the model's dtype."""
+    (DeepSeek-V4's compressed caches do not take it yet); "auto": the model's dtype."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30

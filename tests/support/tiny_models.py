@@ -21,6 +21,8 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
+CALM = {"initializer_range": 0.05}
+"""Weights for tolerance tests of rounding: at BASE's 0.3 every layer amplifies a rounding."""
 BASE = dict(
     hidden_size=64,
     intermediate_size=128,

@@ -1,7 +1,8 @@
 """The FP8 KV cache (``EngineConfig.kv_cache_dtype="fp8"``): e4m3 values, a scale per row.
 
-Each token's K (or V) of one KV head, ``head_dim`` values, is stored as ``head_dim`` e4m3
-values followed by the 4 bytes of its float32 scale (the row's largest magnitude over 448):
+Each token's K (or V) of one KV head, ``head_dim`` values (MLA: its latent | RoPE key row,
+``layers/mla.py: write_latents``), is stored as ``head_dim`` e4m3 values followed by the 4
+bytes of its float32 scale (the row's largest magnitude over 448):
 the cache tensor is float8_e4m3fn ``[parts, layers, blocks, block_size, heads, head_dim + 4]``
 (``KVCacheSpec.scale_values``). One scale per token and head needs no later rewrite (a block's
 scale would change as the block fills) and rides inside the block, so the block manager,
@@ -27,9 +28,10 @@ from splitserve.kernels.fp8_quant import KV_SCALE_VALUES as SCALE_VALUES
 
 
 def fp8_groups(groups: list[KVCacheGroup], model: ModelConfig) -> list[KVCacheGroup]:
-    """The model's KV cache groups with room for each row's scale; refused where no
-    attention path reads an FP8 cache yet (latent and compressed caches)."""
-    if model.mla is not None or model.architecture == "deepseek_v4":
+    """The model's KV cache groups with room for each row's scale (MLA: one latent | RoPE
+    row per token, one scale); refused where no attention path reads an FP8 cache yet
+    (DeepSeek-V4's compressed caches)."""
+    if model.architecture == "deepseek_v4":
         raise ValueError(f"kv_cache_dtype='fp8' is not built for {model.architecture}'s cache")
     return [replace(g, spec=replace(g.spec, scale_values=SCALE_VALUES)) for g in groups]
 
