@@ -45,7 +45,9 @@ def test_smollm2_with_an_fp8_cache_answers_as_float32_and_carries_its_blocks(
     config = EngineConfig(max_model_len=512, kv_cache_bytes=64 << 20, kv_cache_dtype="fp8")
     fp8 = LLM.from_engine(LLMEngine(config, smollm2_tokenizer, store))
     runner = fp8.engine.runner
-    assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_cache.shape[-1] == 68
+    assert runner.kv_cache.dtype == torch.uint8 and runner.kv_cache.shape[-1] == 68
+    layer = runner.model.layers[0].self_attn
+    assert layer.k_cache.dtype == torch.float8_e4m3fn
     assert runner.kv_bytes_per_block() == 30 * 2 * 3 * 68 * 16
     assert smollm2_llm.engine.runner.kv_bytes_per_block() == 30 * 2 * 3 * 64 * 4 * 16
     chats = [[{"role": "user", "content": c}] for c in CHATS]
@@ -53,7 +55,7 @@ def test_smollm2_with_an_fp8_cache_answers_as_float32_and_carries_its_blocks(
     assert [o.outputs[0].text for o in fp8.chat(chats, GREEDY, use_tqdm=False)] == expected
     entries = [store.host.get(h) for h in store.host.keys()]  # noqa: SIM118 (not a dict)
     assert entries and all(e is not None and e.nbytes == 30 * 2 * 3 * 68 * 16 for e in entries)
-    assert all(e is not None and e.tensor.dtype == torch.float8_e4m3fn for e in entries)
+    assert all(e is not None and e.tensor.dtype == torch.uint8 for e in entries)
 
     second = LLM.from_engine(LLMEngine(config, smollm2_tokenizer, store))
     assert [o.outputs[0].text for o in second.chat(chats, GREEDY, use_tqdm=False)] == expected
@@ -76,7 +78,7 @@ def test_a_latent_cache_in_fp8_tracks_float32_and_reads_back_its_prefix(
     _, path = tiny_deepseek_v3(smollm2_tokenizer, tmp_path, **CALM)
     fp8 = LLM(model=path, max_model_len=64, block_size=8, kv_cache_dtype="fp8")
     reference = LLM(model=path, max_model_len=64, block_size=8)
-    cache = fp8.engine.runner.kv_cache
+    cache = fp8.engine.runner.model.layers[0].self_attn.latent_cache
     assert cache.dtype == torch.float8_e4m3fn and cache.shape[-2:] == (1, 52)
     got, expected = prompt_logits(fp8), prompt_logits(reference)
     spread = (expected - expected.mean(dim=-1, keepdim=True)).norm()

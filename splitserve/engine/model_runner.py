@@ -65,8 +65,11 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
-        self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else self.dtype
-        """The KV cache's dtype: the model's, or e4m3 with scales in each row (fp8_kv.py)."""
+        self.fp8_kv = config.kv_cache_dtype == "fp8"
+        self.kv_dtype = torch.uint8 if self.fp8_kv else self.dtype
+        """The KV pool's dtype: the model's, or the bytes of e4m3 rows with their scales
+        (fp8_kv.py), which the layers see as float8_e4m3fn and everything that moves
+        blocks as bytes (torch indexes no float8 tensor on some versions)."""
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.model = self._build_model(weights_path)
@@ -138,7 +141,7 @@ class ModelRunner:
         if len(groups) > 1 and not self.config.hybrid_kv_cache:
             layers = tuple(range(self.model_config.num_layers))
             groups = [KVCacheGroup(self.model.kv_cache_spec(), layers)]
-        return groups if self.kv_dtype != FP8 else fp8_groups(groups, self.model_config)
+        return fp8_groups(groups, self.model_config) if self.fp8_kv else groups
 
     def _allocate_kv_cache(self) -> int:
         """One paged tensor per KV cache group; returns group 0's block count (the sliding
@@ -163,10 +166,11 @@ class ModelRunner:
             for g, n in zip(self.kv_groups, sizes)
         ]
         self.kv_cache = self.kv_caches[0]
+        layer_views = [c.view(FP8) if self.fp8_kv else c for c in self.kv_caches]
         if len(self.kv_groups) == 1:
-            self.model.bind_kv_cache(self.kv_cache)
+            self.model.bind_kv_cache(layer_views[0])
         else:
-            self.model.bind_kv_groups(self.kv_caches, self.kv_groups)
+            self.model.bind_kv_groups(layer_views, self.kv_groups)
         if self.device.type == "cpu":
             self.model.native_decode = NativeDecode.build(self.model)
         return sizes[0]
