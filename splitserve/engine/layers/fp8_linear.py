@@ -61,8 +61,8 @@ def fp8_grouped(
         from splitserve.kernels.grouped_gemm import fp8_grouped_gemm
 
         return fp8_grouped_gemm(x_fp8, x_scale, weight, offsets, x.dtype, rows)
-    if rows is not None:
-        x_fp8, x_scale = x_fp8[rows], x_scale[rows]
+    if rows is not None:  # gathered as bytes: torch indexes no float8 tensor on some versions
+        x_fp8, x_scale = x_fp8.view(torch.uint8)[rows].view(FP8), x_scale[rows]
     return fp8_grouped_ref(x_fp8, x_scale, weight, offsets, x.dtype)
 
 
