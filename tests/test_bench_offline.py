@@ -14,8 +14,14 @@ import torch
 
 from splitserve.bench.decode_window import StepTokens, steady_window
 from splitserve.bench.engine_run import engine_throughput
-from splitserve.bench.roofline import Ceilings, reference_ceilings
+from splitserve.bench.roofline import (
+    Ceilings,
+    decode_step_bytes,
+    matmul_params,
+    reference_ceilings,
+)
 from splitserve.engine.llm import LLM
+from splitserve.engine.shapes import shape_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +94,18 @@ def test_engine_decode_rate_counts_only_the_steady_window_on_a_tiny_shape(overla
     assert stats["decode_mean_context"] == 16 + 11 / 4 + 3
     assert stats["mbu_decode_reference"] == stats["mbu_decode"] / 2
     assert stats["mfu_prefill_reference"] == stats["mfu_prefill"] / 4
+
+
+def test_a_decode_step_reads_fp8_weights_and_fp8_kv_rows_with_their_scales() -> None:
+    """SmolLM2's shape, batch 2 at context 100: bfloat16 weights and cache, then FP8 layer
+    weights (one byte a value; the LM head and norms stay bfloat16) and an FP8 cache (one
+    byte a value and a 4-byte scale per row: 30 layers x 2 x 3 heads x 68 bytes a token)."""
+    cfg = shape_config("smollm2-135m")
+    rest = (cfg.hidden_size * cfg.vocab_size + 61 * cfg.hidden_size) * 2
+    bf16 = decode_step_bytes(cfg, 2, 2, 100)
+    assert bf16 == matmul_params(cfg) * 2 + rest + 200 * 30 * 2 * 3 * 64 * 2
+    fp8 = decode_step_bytes(cfg, 2, 2, 100, kv=(1, 4), matmul_element_size=1)
+    assert fp8 == matmul_params(cfg) + rest + 200 * 30 * 2 * 3 * 68
 
 
 def test_reference_ceilings_are_the_h200_bf16_measurements() -> None:

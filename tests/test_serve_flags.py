@@ -34,6 +34,8 @@ def test_each_flag_lands_on_the_config() -> None:
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
         "--tool-call-parser", "mistral",
         "--reasoning-parser", "think",
+        "--quantization", "fp8",
+        "--kv-cache-dtype", "fp8",
     )  # fmt: skip
     assert config.model == "smollm2-135m-instruct"
     assert config.server.served_model_name == "smol" and config.server.api_keys == ("k",)
@@ -42,6 +44,7 @@ def test_each_flag_lands_on_the_config() -> None:
         engine = config.pools[pool].engine
         assert (engine.max_model_len, engine.max_num_seqs, engine.dtype) == (512, 8, "float16")
         assert engine.gpu_memory_utilization == 0.5 and not engine.enable_prefix_caching
+        assert (engine.quantization, engine.kv_cache_dtype) == ("fp8", "fp8")
     speculative = config.pools["decode"].speculative
     assert speculative is not None and speculative.num_speculative_tokens == 3
     assert config.pools["prefill"].speculative is None
@@ -80,12 +83,14 @@ def test_a_config_file_keeps_its_own_values_and_set_wins(tmp_path: Path) -> None
     ("flags", "message"),
     [
         (
-            ("--kv-cache-dtype", "fp8"),
-            "--kv-cache-dtype fp8: not supported; the KV cache is kept in the model's dtype (auto)",
+            ("--kv-cache-dtype", "fp8_e5m2"),
+            "--kv-cache-dtype fp8_e5m2: not supported; the KV cache is kept in the model's dtype "
+            "(auto) or in e4m3 with scales (fp8)",
         ),
         (
             ("--quantization", "awq"),
-            "--quantization awq: not supported; quantized weights are read from GGUF files (gguf)",
+            "--quantization awq: not supported; quantized weights are e4m3 blocks (fp8) or read "
+            "from GGUF files (gguf)",
         ),
         (("--speculative-config", "[1]"), "--speculative-config must be a JSON object"),
     ],

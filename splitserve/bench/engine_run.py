@@ -63,7 +63,10 @@ def engine_throughput(
     ``reference`` (the device's stable ceilings), when given."""
     engine = llm.engine
     start, steps = run_batch(llm, prompts, output_len)
-    cfg, element = engine.model_config, engine.runner.kv_cache.element_size()
+    runner = engine.runner
+    cfg, element = engine.model_config, runner.dtype.itemsize
+    kv = (runner.kv_cache.element_size(), runner.kv_groups[0].spec.scale_values)
+    fp8_weights = engine.config.quantization == "fp8"
     batch, input_len = len(prompts), len(prompts[0])
     prefill_s = first_tokens_at(steps, batch) - start
     flops_per_s = batch * prefill_flops(cfg, input_len) / prefill_s
@@ -78,8 +81,10 @@ def engine_throughput(
         return stats
     window = steady_window(steps, batch)
     context = input_len + window.mean_generated
-    weights = held_weight_bytes(engine.runner.model)
-    step_bytes = decode_step_bytes(cfg, element, batch, round(context), weights)
+    weights = held_weight_bytes(runner.model)
+    step_bytes = decode_step_bytes(
+        cfg, element, batch, round(context), weights, kv, 1 if fp8_weights else None
+    )
     bytes_per_s = step_bytes * window.steps / window.seconds
     stats |= {
         "decode_steps": window.steps,

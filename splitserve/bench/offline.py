@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant inference (EngineConfig.deterministic, docs/engine.md)",
     )
+    parser.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="FP8 weights (e4m3 blocks)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="FP8 KV cache"
+    )
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -144,6 +150,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         cpu_weights=args.cpu_weights,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         max_model_len=longest + 16,
         max_num_seqs=max(batch_sizes),

@@ -130,31 +130,46 @@ def active_experts(cfg: ModelConfig, batch: int) -> float:
     return num * (1 - (1 - top_k / num) ** batch)
 
 
-def weight_bytes(cfg: ModelConfig, element_size: int, batch: int = 1) -> int:
+def weight_bytes(
+    cfg: ModelConfig, element_size: int, batch: int = 1, matmul_element_size: int | None = None
+) -> int:
     """Bytes a decode step of ``batch`` sequences reads: layer weights (of an MoE model the
-    experts its tokens are routed to), the LM head and the norms."""
+    experts its tokens are routed to) at ``matmul_element_size`` (default element_size; 1 for
+    FP8 weights, whose float32 scales add 1/4096 and are not counted), the LM head and the
+    norms at element_size."""
     head = cfg.hidden_size * cfg.vocab_size
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
     experts = active_experts(cfg, batch) if cfg.moe is not None else None
-    return (matmul_params(cfg, experts) + head + norms) * element_size
+    layers = matmul_params(cfg, experts) * (matmul_element_size or element_size)
+    return layers + (head + norms) * element_size
 
 
-def kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
-    """K and V of every KV head, or MLA's one latent (and RoPE key), over the layers."""
+def kv_bytes_per_token(cfg: ModelConfig, element_size: int, scale_values: int = 0) -> int:
+    """K and V of every KV head, or MLA's one latent (and RoPE key), over the layers; each row
+    with ``scale_values`` more slots for its scale (an FP8 cache's 4, engine/layers/fp8_kv.py)."""
     if cfg.mla is not None:
-        return cfg.num_layers * cfg.mla.latent_dim * element_size
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
+        return cfg.num_layers * (cfg.mla.latent_dim + scale_values) * element_size
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + scale_values) * element_size
 
 
 def decode_step_bytes(
-    cfg: ModelConfig, element_size: int, batch: int, context: int, weights: int | None = None
+    cfg: ModelConfig,
+    element_size: int,
+    batch: int,
+    context: int,
+    weights: int | None = None,
+    kv: tuple[int, int] | None = None,
+    matmul_element_size: int | None = None,
 ) -> int:
-    """Weights (``weights`` bytes as held, e.g. GGUF blocks; else weight_bytes at the KV
-    element size; for an MoE model always weight_bytes, which counts only the experts the
-    batch's tokens are routed to) plus the batch's KV."""
+    """Weights (``weights`` bytes as held, e.g. GGUF blocks; else weight_bytes; for an MoE
+    model always weight_bytes, which counts only the experts the batch's tokens are routed
+    to, its projections at ``matmul_element_size``) plus the batch's KV: ``kv`` = (element
+    size, scale slots per row) of the cache, default (element_size, 0)."""
     moe = cfg.moe is not None
-    held = weight_bytes(cfg, element_size, batch) if weights is None or moe else weights
-    return held + batch * context * kv_bytes_per_token(cfg, element_size)
+    if weights is None or moe:
+        weights = weight_bytes(cfg, element_size, batch, matmul_element_size)
+    kv_element, scale_values = kv or (element_size, 0)
+    return weights + batch * context * kv_bytes_per_token(cfg, kv_element, scale_values)
 
 
 def held_weight_bytes(model: torch.nn.Module) -> int:

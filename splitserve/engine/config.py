@@ -43,6 +43,16 @@ class EngineConfig:
     holds every projection and the LM head in bfloat16 for oneDNN, the activations, attention
     and KV cache float32 (``engine/layers/bf16_linear.py``): faster at many rows, not the
     float32 oracle's arithmetic, so opt-in."""
+    quantization: str | None = None
+    """"fp8": the decoder layers' projections and routed experts hold e4m3 weights with one
+    float32 scale per 128 x 128 block and multiply FP8 x FP8, the input quantized per token
+    and 128-channel group (``engine/layers/fp8_linear.py``); a DeepSeek-format FP8
+    checkpoint loads its blocks as they are, any other checkpoint (or ``shape:``) is quantized
+    at load. None: the weights keep the checkpoint's values in ``dtype``."""
+    kv_cache_dtype: str = "auto"
+    """"fp8": the KV cache holds e4m3 values with one float32 scale per token and KV head,
+    stored inside the block (``engine/layers/fp8_kv.py``), read by both attention backends
+    (DeepSeek-V4's compressed caches do not take it yet); "auto": the model's dtype."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
@@ -115,6 +125,17 @@ class EngineConfig:
                 "cpu_weights='bfloat16' is for device='cpu' with float32 activations "
                 f"(dtype 'auto' or 'float32'), not device={self.device!r} dtype={self.dtype!r}"
             )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, not {self.quantization!r}")
+        if self.quantization is not None and (
+            self.expert_parallel_size > 1 or self.cpu_weights != "auto"
+        ):
+            raise ValueError(
+                "quantization='fp8' is not built for expert_parallel_size > 1 or with "
+                "cpu_weights='bfloat16'"
+            )
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', not {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"

@@ -31,6 +31,9 @@ class KVCacheSpec:
     heads: int
     head_dim: int
     entry_tokens: int = 1
+    scale_values: int = 0
+    """Slots after each row's head_dim values that hold its scale (an FP8 cache's 4 bytes,
+    ``layers/fp8_kv.py``)."""
 
     def __post_init__(self) -> None:
         if self.parts not in (1, 2):
@@ -39,11 +42,12 @@ class KVCacheSpec:
             raise ValueError("an entry covers at least one token")
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
-        return (self.parts, self.layers, num_blocks, block_size, self.heads, self.head_dim)
+        width = self.head_dim + self.scale_values
+        return (self.parts, self.layers, num_blocks, block_size, self.heads, width)
 
     def values_per_token(self) -> int:
-        """Values one token leaves in the cache, over every layer."""
-        return self.parts * self.layers * self.heads * self.head_dim
+        """Values one token leaves in the cache, over every layer (scales included)."""
+        return self.parts * self.layers * self.heads * (self.head_dim + self.scale_values)
 
 
 @dataclass(frozen=True)

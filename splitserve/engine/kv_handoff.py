@@ -86,7 +86,7 @@ class KVHandoff:
     def receive_buffer(self, request_id: str) -> torch.Tensor:
         req = self.reserved[request_id]
         shape = self.transfer_shape(req.num_prompt_tokens)
-        return torch.empty(shape, dtype=self.runner.dtype, device=self.runner.device)
+        return torch.empty(shape, dtype=self.runner.kv_dtype, device=self.runner.device)
 
     def transfer_shape(self, num_tokens: int) -> tuple[int, ...]:
         """The shape of the KV a prompt of ``num_tokens`` tokens hands over: group 0's blocks

@@ -77,6 +77,10 @@ class LLMEngine:
         )
         dtype = str(self.runner.dtype).removeprefix("torch.")
         tag = "" if config.cpu_weights == "auto" else f"+{config.cpu_weights}-weights"
+        if config.quantization is not None:
+            tag += f"+{config.quantization}-weights"
+        if config.kv_cache_dtype != "auto":
+            tag += f"+{config.kv_cache_dtype}-kv"
         if len(self.runner.kv_groups) > 1:
             tag += "+window-groups"  # a block holds the global layers only
             if config.window_replay_allowance is not None:

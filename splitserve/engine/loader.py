@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from splitserve.engine.shapes import shape_config
 from splitserve.engine.tokenizer_cache import cached_folder, gguf_tokenizer
 from splitserve.engine.tokenizer_json import json_tokenizer
 from splitserve.engine.vision.config import VISION_MODEL_TYPES
+from splitserve.kernels.fp8_quant import BLOCK
 
 SHAPE_PREFIX = "shape:"
 
@@ -214,16 +215,21 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def iter_weights(
-    path: str, config: ModelConfig, keep_blocks: frozenset[str] = frozenset()
+    path: str,
+    config: ModelConfig,
+    keep_blocks: frozenset[str] = frozenset(),
+    keep_fp8: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint under its Hugging Face name, in float32 or its dtype.
 
     keep_blocks: GGUF tensors (by Hugging Face name) yielded as their quantized blocks,
-    uint8 ``[rows, bytes per row]``, instead of dequantized (engine/layers/block_linear.py)."""
+    uint8 ``[rows, bytes per row]``, instead of dequantized (engine/layers/block_linear.py).
+    keep_fp8: which FP8 tensors of a safetensors checkpoint are yielded as they are, each
+    followed by its ``_scale_inv`` (the others are dequantized; engine/fp8_weights.py)."""
     if is_gguf(path):
         yield from _iter_gguf(path, config, keep_blocks)
     else:
-        yield from _iter_safetensors(path)
+        yield from _iter_safetensors(path, keep_fp8)
 
 
 def vlm_part(name: str) -> tuple[str, str]:
@@ -310,7 +316,9 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(
+    path: str, keep_fp8: Callable[[str], bool] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -324,6 +332,14 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if is_scale(name):
                     continue
                 tensor = f.get_tensor(name)
-                if is_fp8(tensor):  # DeepSeek's FP8 blocks: bfloat16 at load (fp8_weights.py)
-                    tensor = dequantize_block_fp8(tensor, scales.get(name + SCALE_SUFFIX), block)
-                yield name, tensor
+                if not is_fp8(tensor):
+                    yield name, tensor
+                elif keep_fp8 is not None and keep_fp8(name):
+                    if block != (BLOCK, BLOCK):
+                        raise ValueError(
+                            f"FP8 blocks of {block}: quantization='fp8' reads 128 x 128"
+                        )
+                    yield name, tensor
+                    yield name + SCALE_SUFFIX, scales.get(name + SCALE_SUFFIX)
+                else:  # DeepSeek's FP8 blocks: bfloat16 at load (fp8_weights.py)
+                    yield name, dequantize_block_fp8(tensor, scales.get(name + SCALE_SUFFIX), block)

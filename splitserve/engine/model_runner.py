@@ -18,13 +18,12 @@ from splitserve.engine.kv_cache_spec import KVCacheGroup
 from splitserve.engine.kv_groups import StepRows, pool_sizes, window_metadata
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.attention_backends import choose_backend, make_backend
-from splitserve.engine.layers.bf16_linear import to_bf16_layers
-from splitserve.engine.layers.block_linear import interleave_blocks, to_block_layers
+from splitserve.engine.layers.block_linear import interleave_blocks
 from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.layers.expert_placement import GroupMember
+from splitserve.engine.layers.fp8_kv import fp8_groups
 from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.projection_choice import choose_cpu_paths
-from splitserve.engine.loader import iter_weights, text_weights
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.registry import expert_parallel, model_class
@@ -34,8 +33,9 @@ from splitserve.engine.sampler import greedy_tokens
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
-from splitserve.engine.weight_format import block_weight_plan
+from splitserve.engine.weight_format import convert_weights, load_checkpoint
 from splitserve.kernels.dispatch import triton_available
+from splitserve.kernels.fp8_quant import FP8
 
 if TYPE_CHECKING:
     from splitserve.engine.structured.matcher import RequestGrammar
@@ -65,6 +65,11 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config)
+        self.fp8_kv = config.kv_cache_dtype == "fp8"
+        self.kv_dtype = torch.uint8 if self.fp8_kv else self.dtype
+        """The KV pool's dtype: the model's, or the bytes of e4m3 rows with their scales
+        (fp8_kv.py), which the layers see as float8_e4m3fn and everything that moves
+        blocks as bytes (torch indexes no float8 tensor on some versions)."""
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.model = self._build_model(weights_path)
@@ -116,14 +121,8 @@ class ModelRunner:
                 )
         finally:
             torch.set_default_dtype(previous)
-        if weights_path is not None:
-            plan = block_weight_plan(self.config, weights_path, model, cfg.tie_word_embeddings)
-            to_block_layers(model, plan.types)
-            model.load_weights(
-                text_weights(plan.weights(iter_weights(weights_path, cfg, plan.keep)))
-            )
-        if self.device.type == "cpu" and self.config.cpu_weights == "bfloat16":
-            to_bf16_layers(model)
+        loaded_fp8 = weights_path is not None and load_checkpoint(self.config, model, weights_path)
+        convert_weights(self.config, model, loaded_fp8)
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
             interleave_blocks(model)
@@ -135,14 +134,14 @@ class ModelRunner:
         return self.kv_groups[0].spec.values_per_token() * self.block_size * self._element()
 
     def _element(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.kv_dtype).element_size()
 
     def _kv_groups(self) -> list[KVCacheGroup]:
         groups = self.model.kv_cache_groups()
         if len(groups) > 1 and not self.config.hybrid_kv_cache:
             layers = tuple(range(self.model_config.num_layers))
-            return [KVCacheGroup(self.model.kv_cache_spec(), layers)]
-        return groups
+            groups = [KVCacheGroup(self.model.kv_cache_spec(), layers)]
+        return fp8_groups(groups, self.model_config) if self.fp8_kv else groups
 
     def _allocate_kv_cache(self) -> int:
         """One paged tensor per KV cache group; returns group 0's block count (the sliding
@@ -164,14 +163,15 @@ class ModelRunner:
         # (in a window group, its null block). Zeroed: masked attention over never-written
         # slots must not meet NaN bit patterns.
         self.kv_caches = [
-            zeroed(g.spec.shape(n + 1, self.block_size), self.dtype, self.device)
+            zeroed(g.spec.shape(n + 1, self.block_size), self.kv_dtype, self.device)
             for g, n in zip(self.kv_groups, sizes)
         ]
         self.kv_cache = self.kv_caches[0]
+        layer_views = [c.view(FP8) if self.fp8_kv else c for c in self.kv_caches]
         if len(self.kv_groups) == 1:
-            self.model.bind_kv_cache(self.kv_cache)
+            self.model.bind_kv_cache(layer_views[0])
         else:
-            self.model.bind_kv_groups(self.kv_caches, self.kv_groups)
+            self.model.bind_kv_groups(layer_views, self.kv_groups)
         if self.device.type == "cpu":
             self.model.native_decode = NativeDecode.build(self.model)
         return sizes[0]
@@ -211,7 +211,7 @@ class ModelRunner:
         return (blocks, kv, layers, block, heads, dim)
 
     def scatter_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.dtype)
+        self.kv_cache[:, :, self._tensor(block_ids)] = kv.to(self.device, self.kv_dtype)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         parts, layers, _, block, heads, dim = self.kv_cache.shape

@@ -64,7 +64,7 @@ class PrefixCache:
                 limit if limit is not None else block_manager.num_blocks,
             )
             if per_slab:
-                self.slabs = PinnedSlabs(SLABS, runner.kv_block_shape(per_slab), runner.dtype)
+                self.slabs = PinnedSlabs(SLABS, runner.kv_block_shape(per_slab), runner.kv_dtype)
         block_manager.on_commit = self._committed
         block_manager.on_evict = self._evicted
         if store is not None:

@@ -8,7 +8,8 @@ its parts share one such type, or as Q8_0 when its parts mix Q8_0, Q5_0 and Q4_0
 in without changing a weight (``blocks.to_q8_0``). A projection with a bias (Qwen2's q|k|v) is
 dequantized, and so is a fused projection of other mixed types. Everything else, everything
 with ``dtype="float32"`` (the oracle tests' mode), and everything with
-``cpu_weights="bfloat16"`` (then converted, ``engine/layers/bf16_linear.py``) is dequantized
+``cpu_weights="bfloat16"`` (then converted, ``engine/layers/bf16_linear.py``) or
+``quantization="fp8"`` (then quantized, ``engine/layers/fp8_linear.py``) is dequantized
 to float32 as before.
 """
 
@@ -22,7 +23,10 @@ import torch
 from torch import nn
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.loader import gguf_tensor_types, is_gguf
+from splitserve.engine.fp8_weights import fp8_targets, is_fp8_checkpoint, to_fp8_layers
+from splitserve.engine.layers.bf16_linear import to_bf16_layers
+from splitserve.engine.layers.block_linear import to_block_layers
+from splitserve.engine.loader import gguf_tensor_types, is_gguf, iter_weights, text_weights
 from splitserve.kernels.native.blocks import (
     BLOCK_BYTES,
     Q8_0,
@@ -35,7 +39,36 @@ from splitserve.kernels.native.blocks import (
 class WeightTargets(Protocol):
     def weight_target(self, hf_name: str) -> tuple[str, int]: ...
 
+    def weight_targets(self, hf_name: str) -> list[tuple[str, int]]: ...
+
     def get_submodule(self, target: str) -> nn.Module: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def load_checkpoint(config: EngineConfig, model: nn.Module, path: str) -> bool:
+    """Loads the checkpoint at path into the model, the GGUF blocks the CPU keeps as they
+    are, and with ``quantization="fp8"`` a DeepSeek-format FP8 checkpoint's e4m3 blocks and
+    scales as they are (into FP8 layers made for them first). Returns True for the latter."""
+    fp8 = config.quantization == "fp8" and is_fp8_checkpoint(path)
+    if fp8:
+        to_fp8_layers(model, empty=True)
+    targets: WeightTargets = model  # type: ignore[assignment]
+    tied = bool(model.config.tie_word_embeddings)  # type: ignore[union-attr]
+    plan = block_weight_plan(config, path, targets, tied)
+    to_block_layers(model, plan.types)
+    keep = fp8_targets(model, targets.weight_targets) if fp8 else None
+    stream = iter_weights(path, model.config, plan.keep, keep)  # type: ignore[arg-type]
+    targets.load_weights(text_weights(plan.weights(stream)))
+    return fp8
+
+
+def convert_weights(config: EngineConfig, model: nn.Module, loaded_fp8: bool) -> None:
+    """The loaded weights into the formats the config asks for (bfloat16 on the CPU, FP8)."""
+    if torch.device(config.device).type == "cpu" and config.cpu_weights == "bfloat16":
+        to_bf16_layers(model)
+    if config.quantization == "fp8" and not loaded_fp8:
+        to_fp8_layers(model)
 
 
 @dataclass(frozen=True)
@@ -61,6 +94,7 @@ def keeps_blocks(config: EngineConfig, path: str) -> bool:
         config.device == "cpu"
         and config.dtype == "auto"
         and config.cpu_weights == "auto"
+        and config.quantization is None
         and is_gguf(path)
         and native_available()
     )

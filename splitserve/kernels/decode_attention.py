@@ -10,6 +10,11 @@ kernel merges them.
 program rotates its query heads itself, and the program whose split holds the newest token
 rotates that token's key, writes it and its value to the cache and only then walks its tiles.
 That is the rotary + K/V write launch of a decode step folded into the attention launch.
+
+An FP8 cache (float8_e4m3fn rows of ``head_dim + 4``: the values, then the float32 scale's
+bytes; ``engine/layers/fp8_kv.py``) is read through ``load_kv``, which dequantizes each row
+to the query's dtype as it is loaded; the fused write does not quantize, so FP8 steps take
+the unfused launch.
 """
 
 from __future__ import annotations
@@ -20,9 +25,24 @@ import triton.language as tl
 
 from splitserve.kernels import pdl
 from splitserve.kernels.dispatch import num_sms
+from splitserve.kernels.fp8_quant import FP8, KV_SCALE_VALUES
 from splitserve.kernels.rotary import cos_sin, rotate_half
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def load_kv(
+    cache_ptr, off, d, mask, valid,
+    HEAD_DIM: tl.constexpr, FP8_ROWS: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """Rows [off + d] of a K or V cache; FP8 rows times the float32 scale stored after them."""
+    rows = tl.load(cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    if FP8_ROWS:
+        scale_ptr = (cache_ptr + off + HEAD_DIM).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr, mask=valid, other=0.0)  # a masked row: 0 x 0, never NaN
+        rows = (rows.to(tl.float32) * scale[:, None]).to(dtype)
+    return rows
 
 
 @triton.jit
@@ -34,7 +54,7 @@ def _decode_kernel(
     stride_table, stride_ot, stride_oh, stride_cos, num_heads,
     GROUP: tl.constexpr, PAD_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, FROM_QKV: tl.constexpr, PDL: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -86,7 +106,7 @@ def _decode_kernel(
         block = block.to(tl.int64)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(k_cache_ptr, k_off, d, kv_mask, valid, HEAD_DIM, FP8_KV, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -94,7 +114,7 @@ def _decode_kernel(
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = load_kv(v_cache_ptr, v_off, d, kv_mask, valid, HEAD_DIM, FP8_KV, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -233,7 +253,10 @@ def _launch(
     num_warps: int,
 ) -> None:
     batch = q.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, width = k_cache.shape
+    fp8 = k_cache.dtype == FP8
+    head_dim = width - KV_SCALE_VALUES if fp8 else width
+    assert not (fp8 and rotary), "the fused K/V write does not quantize: write an FP8 cache first"
     if batch == 0:
         return
     assert out.stride(2) == 1
@@ -261,7 +284,7 @@ def _launch(
         GROUP=group, PAD_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAD_D=pad_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype), FROM_QKV=rotary is not None,
-        num_warps=num_warps, **pdl.launch_kwargs(q),
+        FP8_KV=fp8, num_warps=num_warps, **pdl.launch_kwargs(q),
     )  # fmt: skip
     if splits > 1:
         merge_splits(part_out, part_lse, out)

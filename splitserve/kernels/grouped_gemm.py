@@ -28,14 +28,17 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.decode_attention import dot_precision
+from splitserve.kernels.fp8_quant import BLOCK, BlockFp8
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr,
+    x_ptr, rows_ptr, w_ptr, out_ptr, offsets_ptr, xs_ptr, ws_ptr,
     N, K, K_SPLIT, num_experts, stride_x, stride_we, stride_wn, stride_out, stride_split,
+    stride_xs, stride_wse, stride_wsn,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, PRECISION: tl.constexpr, E_PAD: tl.constexpr,
+    SCALED: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # This program's tile -> (expert, first row), from the offsets (``tile_schedule``'s rule,
     # computed here: a schedule made by separate launches cost more than a decode GEMM).
@@ -74,7 +77,17 @@ def _grouped_gemm_kernel(
             mask=col_mask[None, :] & k_mask[:, None],
             other=0.0,
         )
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SCALED:  # one group of K: its FP8 dot times the rows' and columns' scales
+            group = (k_begin + k0) // GROUP
+            a_scale = tl.load(xs_ptr + in_rows.to(tl.int64) * stride_xs + group, mask=row_mask)
+            w_scale = tl.load(
+                ws_ptr + expert.to(tl.int64) * stride_wse + (cols // GROUP) * stride_wsn + group,
+                mask=col_mask,
+            )
+            part = tl.dot(a, w, out_dtype=tl.float32)
+            acc += part * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
     mask = row_mask[:, None] & col_mask[None, :]
     if not PARTIAL:
         out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
@@ -139,9 +152,52 @@ def grouped_gemm(
     """x: [T, K]; weight: [E, N, K] (last dim contiguous); offsets: [E + 1] int; rows: [M]
     source row of each output row (None: M = T, row r reads x[r]). Returns [M, N].
     tiles: the launch's tiling (default ``choose_tiles``)."""
+    return _launch(x, weight, offsets, rows, tiles, x.dtype, None)
+
+
+def fp8_grouped_gemm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: BlockFp8,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    rows: torch.Tensor | None = None,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """``grouped_gemm`` in FP8: x [T, K] e4m3 with x_scale [T, ceil(K / 128)] float32,
+    weight's data [E, N, K] e4m3 with its scale [E, ceil(N / 128), ceil(K / 128)]; the
+    result in out_dtype. tiles.block_k must divide 128."""
+    t = tiles or choose_tiles(x.shape[0] if rows is None else rows.numel(), *weight.data.shape[::2])
+    assert BLOCK % t.block_k == 0, "a K step must stay inside one scale group"
+    return _launch(x, weight.data, offsets, rows, t, out_dtype, (x_scale, weight.scale))
+
+
+def fp8_gemm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: BlockFp8,
+    out_dtype: torch.dtype,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """A dense FP8 projection: x [M, K] e4m3 (scales [M, ceil(K / 128)]) times weight's data
+    [N, K] (block scales): the grouped launch with one expert."""
+    one = BlockFp8(weight.data.unsqueeze(0), weight.scale.unsqueeze(0))
+    offsets = torch.arange(2, device=x.device) * x.shape[0]  # no host copy: graph-safe
+    return fp8_grouped_gemm(x, x_scale, one, offsets, out_dtype, None, tiles)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor | None,
+    tiles: GemmTiles | None,
+    out_dtype: torch.dtype,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
     num_rows = x.shape[0] if rows is None else rows.numel()
     num_experts, n, k = weight.shape
-    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, n), dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return out
     assert x.stride(1) == 1 and weight.stride(2) == 1, "last dimensions must be contiguous"
@@ -151,14 +207,16 @@ def grouped_gemm(
     target = out if splits == 1 else torch.empty((splits, num_rows, n), device=x.device)
     max_tiles = triton.cdiv(num_rows, t.block_m) + num_experts
     grid = (max_tiles, triton.cdiv(n, t.block_n), splits)
+    xs, ws = scales if scales is not None else (x, weight)
     _grouped_gemm_kernel[grid](
-        x, x if rows is None else rows, weight, target, offsets,
+        x, x if rows is None else rows, weight, target, offsets, xs, ws,
         n, k, k_split, num_experts, x.stride(0), weight.stride(0), weight.stride(1),
         target.stride(-2), target.stride(0) if splits > 1 else 0,
+        xs.stride(0), ws.stride(0) if scales else 0, ws.stride(1) if scales else 0,
         GATHER=rows is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         PARTIAL=splits > 1, PRECISION=dot_precision(x.dtype),
         E_PAD=triton.next_power_of_2(num_experts), num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        num_stages=t.num_stages, SCALED=scales is not None, GROUP=BLOCK,
     )  # fmt: skip
     if splits > 1:
         out.copy_(target.sum(dim=0))

@@ -28,6 +28,7 @@ from splitserve.kernels.decode_attention import (
     dot_precision,
     merge_splits,
 )
+from splitserve.kernels.fp8_quant import FP8, KV_SCALE_VALUES
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _mla_decode_kernel(
     stride_qt, stride_qh, stride_cb, stride_cs, stride_table, stride_ot, stride_oh, num_heads,
     LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -67,6 +68,11 @@ def _mla_decode_kernel(
         row = cache_ptr + block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
         latent = tl.load(row[:, None] + c[None, :], mask=valid[:, None], other=0.0)
         rope = tl.load(row[:, None] + LORA + r[None, :], mask=valid[:, None], other=0.0)
+        if FP8_KV:  # e4m3 rows, their float32 scale after them (engine/layers/fp8_kv.py)
+            scale_ptr = (row + LORA + ROPE).to(tl.pointer_type(tl.float32))
+            scale = tl.load(scale_ptr, mask=valid, other=0.0)[:, None]
+            latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
+            rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
         scores = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)
         scores += tl.dot(q_rope, tl.trans(rope), input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
@@ -102,13 +108,16 @@ def mla_decode_attention(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """query [B, H, latent_dim] over latent_cache [num_blocks, block_size, 1, latent_dim]
+    (an FP8 cache: latent_dim + 4, each row's scale after it, dequantized as it is loaded)
     (padded block_tables [B, max_blocks], context_lens [B]) -> [B, H, value_dim], the
     weighted first ``value_dim`` values of each row (the latent). value_dim and
     latent_dim - value_dim are powers of two of at least 16. block_n: context tokens per
     tile (default: 64 rows of a 512-value latent)."""
     batch, num_heads, latent_dim = query.shape
     rope = latent_dim - value_dim
-    assert latent_cache.shape[2] == 1 and latent_cache.shape[3] == latent_dim
+    fp8 = latent_cache.dtype == FP8
+    width = latent_dim + (KV_SCALE_VALUES if fp8 else 0)
+    assert latent_cache.shape[2] == 1 and latent_cache.shape[3] == width
     assert value_dim == triton.next_power_of_2(value_dim) >= 16
     assert rope == triton.next_power_of_2(rope) >= 16
     assert query.stride(2) == 1 and latent_cache.stride(3) == 1 and block_tables.stride(1) == 1
@@ -140,7 +149,7 @@ def mla_decode_attention(
         LORA=value_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size,
         BLOCK_N=block_n or min(64, max(16, 32768 // value_dim)), NUM_SPLITS=splits,
         PRECISION=dot_precision(query.dtype),
-        num_warps=num_warps, **pdl.launch_kwargs(query),
+        FP8_KV=fp8, num_warps=num_warps, **pdl.launch_kwargs(query),
     )  # fmt: skip
     if splits > 1:
         merge_splits(part_out, part_lse, out)

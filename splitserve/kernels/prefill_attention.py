@@ -3,7 +3,8 @@
 Sequence s has ``q_lens[s]`` new query tokens at rows [q_starts[s], q_starts[s] + q_lens[s]) of
 q; they sit at positions [context_lens[s] - q_lens[s], context_lens[s]) and attend to every
 cached token of the sequence up to their own position. K/V are read from the paged cache only,
-so the step's own K/V must be written there first. Each program takes one tile of BLOCK_M query
+so the step's own K/V must be written there first (an FP8 cache's rows are dequantized as
+they are loaded, ``decode_attention.load_kv``). Each program takes one tile of BLOCK_M query
 rows of one head.
 """
 
@@ -13,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.decode_attention import LOG2E, dot_precision
+from splitserve.kernels.decode_attention import LOG2E, dot_precision, load_kv
+from splitserve.kernels.fp8_quant import FP8
 
 
 @triton.jit
@@ -24,7 +26,7 @@ def _prefill_kernel(
     stride_table, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,7 +58,7 @@ def _prefill_kernel(
         block = block.to(tl.int64)
         kv_mask = valid[:, None] & d_mask
         k_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(k_cache_ptr, k_off, d, kv_mask, valid, HEAD_DIM, FP8_KV, q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         causal = (pos[None, :] <= positions[:, None]) & valid[None, :]
         scores = tl.where(causal, scores, float("-inf"))
@@ -65,7 +67,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = load_kv(v_cache_ptr, v_off, d, kv_mask, valid, HEAD_DIM, FP8_KV, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -113,6 +115,7 @@ def paged_prefill_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         PAD_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        FP8_KV=k_cache.dtype == FP8,
     )  # fmt: skip
     return out
 

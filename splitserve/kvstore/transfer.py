@@ -57,6 +57,13 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return "gloo"
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor (an FP8 KV cache's blocks) as the uint8 view of its bytes: Gloo has no
+    float8 types. Other tensors as they are."""
+    fp8 = tensor.is_floating_point() and tensor.element_size() == 1
+    return tensor.view(torch.uint8) if fp8 else tensor
+
+
 class TransferError(RuntimeError):
     """A channel failed or timed out; the caller drops it and frees what it reserved."""
 
@@ -151,7 +158,7 @@ class KVTransport:
         """Send a contiguous tensor to peer (blocks until the peer has received it), after the
         work on the current stream (CUDA)."""
         group = self._group(self.worker_id, peer, generation, SENDER)
-        staged = self._staged(tensor)
+        staged = as_bytes(self._staged(tensor))
         self._wait(lambda: group.send([staged], RECEIVER, 0), peer)
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
@@ -162,7 +169,7 @@ class KVTransport:
         group = self._group(peer, self.worker_id, generation, RECEIVER)
         staged = self.backend == "gloo" and out.device.type != "cpu"
         buffer = torch.empty(out.shape, dtype=out.dtype) if staged else out
-        self._wait(lambda: group.recv([buffer], SENDER, 0), peer)
+        self._wait(lambda: group.recv([as_bytes(buffer)], SENDER, 0), peer)
         if buffer is not out:
             out.copy_(buffer)
         self.bytes_received += out.numel() * out.element_size()

@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, TorchAttention
 from splitserve.engine.layers.attention_backends import make_backend
+from splitserve.engine.layers.fp8_kv import pack_kv
 from splitserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from splitserve.kernels.prefill_attention import (
     paged_prefill_attention,
@@ -97,11 +98,16 @@ def test_paged_prefill_attention_with_cached_prefix_matches_reference(
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_triton_backend_matches_torch_backend_on_a_mixed_step() -> None:
-    """Two decoding sequences, one fresh prompt and one chunk after a cached prefix."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8-cache"])
+def test_triton_backend_matches_torch_backend_on_a_mixed_step(fp8: bool) -> None:
+    """Two decoding sequences, one fresh prompt and one chunk after a cached prefix. FP8: the
+    cache holds e4m3 rows and their scales (layers/fp8_kv.py), which both backends write the
+    same way and the kernels dequantize as they load them."""
     torch.manual_seed(5)
     heads, kv_heads, head_dim, block_size = 6, 2, 32, 16
     k_cache, v_cache = _paged_cache(16, block_size, kv_heads, head_dim, torch.float32)
+    if fp8:
+        k_cache, v_cache = pack_kv(k_cache), pack_kv(v_cache)
     decode_lens, prefill = [20, 45], [(12, 12), (9, 40)]  # (new tokens, context length)
     tables = _tables(decode_lens + [c for _, c in prefill], block_size, 16)
     segments, slots, row = [], [], len(decode_lens)
@@ -125,7 +131,8 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_step() -> None:
     caches = k_cache.clone(), v_cache.clone()
     out = backend.forward(q, k, v, *caches, meta)
     ref = TorchAttention(heads, kv_heads, head_dim).forward(q, k, v, k_cache, v_cache, meta)
-    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+    for got, expected in zip(caches, (k_cache, v_cache), strict=True):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 

@@ -13,23 +13,33 @@ import torch
 pytest.importorskip("triton")
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.layers.fp8_kv import pack_kv
 from splitserve.engine.layers.mla import mla_decode
 from splitserve.kernels.mla_decode import mla_decode_attention
 from tests.support.tiny_models import tiny_deepseek_v3
 
 
 @pytest.mark.parametrize(
-    ("heads", "lora", "rope", "splits", "block_size"),
-    [(4, 32, 16, 1, 8), (20, 64, 16, 3, 16), (16, 32, 32, 2, 4)],
+    ("heads", "lora", "rope", "splits", "block_size", "fp8"),
+    [
+        (4, 32, 16, 1, 8, False),
+        (20, 64, 16, 3, 16, False),
+        (16, 32, 32, 2, 4, False),
+        (20, 64, 16, 3, 16, True),
+    ],
 )
 def test_mla_decode_kernel_matches_the_torch_reference(
-    heads: int, lora: int, rope: int, splits: int, block_size: int
+    heads: int, lora: int, rope: int, splits: int, block_size: int, fp8: bool
 ) -> None:
+    """fp8: the cache's rows in e4m3 with their scales (engine/layers/fp8_kv.py), which the
+    kernel and the reference both dequantize."""
     generator = torch.Generator().manual_seed(heads)
     contexts = [1, 29, 70]
     width = -(-max(contexts) // block_size)
     num_blocks = width * len(contexts) + 1
     cache = torch.randn(num_blocks, block_size, 1, lora + rope, generator=generator)
+    if fp8:
+        cache = pack_kv(cache)
     tables = torch.randperm(num_blocks, generator=generator)[: 3 * width].view(3, width)
     lens = torch.tensor(contexts)
     query = torch.randn(3, heads, lora + rope, generator=generator)

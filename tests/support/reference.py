@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+
 NEAR_TIE = 1e-3
 
 
@@ -69,3 +71,22 @@ def assert_greedy_equal(model: Any, prompt: list[int], ours: list[int], ref: lis
             return False
     assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs reference {len(ref)}"
     return True
+
+
+PROMPT = [5, 900, 31, 7000, 12, 48, 2001, 17, 333, 90, 4, 1234, 77, 640, 9, 15000]
+
+
+def prompt_logits(llm: Any) -> torch.Tensor:
+    """Every position's logits for PROMPT, one prefill through an LLM's paged cache."""
+    model, tokens = llm.engine.runner.model, len(PROMPT)
+    block = llm.engine.config.block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
+        decode_context_lens=torch.zeros(0, dtype=torch.long),
+        prefills=[PrefillSegment(0, tokens, tokens, torch.arange(-(-tokens // block)))],
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(PROMPT), torch.arange(tokens), meta)
+        return model.compute_logits(hidden).float()

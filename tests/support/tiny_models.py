@@ -21,6 +21,8 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
+CALM = {"initializer_range": 0.05}
+"""Weights for tolerance tests of rounding: at BASE's 0.3 every layer amplifies a rounding."""
 BASE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -80,8 +82,9 @@ def tiny_mixtral(tokenizer: Any, path: Path) -> tuple[Any, str]:
     )
 
 
-def tiny_qwen3_moe(tokenizer: Any, path: Path) -> tuple[Any, str]:
-    """q/k norms, 8 experts of 48, top-3 without renormalization, layer 1 a dense MLP."""
+def tiny_qwen3_moe(tokenizer: Any, path: Path, **config: Any) -> tuple[Any, str]:
+    """q/k norms, 8 experts of 48, top-3 without renormalization, layer 1 a dense MLP;
+    ``config`` on top."""
     return tiny_model(
         tokenizer,
         path,
@@ -94,6 +97,7 @@ def tiny_qwen3_moe(tokenizer: Any, path: Path) -> tuple[Any, str]:
         mlp_only_layers=[1],
         head_dim=32,
         num_hidden_layers=3,
+        **config,
     )
 
 
@@ -152,17 +156,18 @@ def tiny_deepseek_v2_grouped(tokenizer: Any, path: Path) -> tuple[Any, str]:
     )  # fmt: skip
 
 
-def tiny_deepseek_v3(tokenizer: Any, path: Path) -> tuple[Any, str]:
+def tiny_deepseek_v3(tokenizer: Any, path: Path, **config: Any) -> tuple[Any, str]:
     """V3's layout: the q low-rank path, sigmoid router with a random correction bias over
     8 experts in 4 groups (top-2 of 2 groups, renormalized, scaled by 2.5), a shared
-    expert, interleaved YaRN rope whose mscale differs from mscale_all_dim."""
+    expert, interleaved YaRN rope whose mscale differs from mscale_all_dim; ``config`` on
+    top (DEEPSEEK's sizes among them)."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
             "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}  # fmt: skip
-    return tiny_model(
-        tokenizer, path, "deepseek_v3", seed=7, **DEEPSEEK, q_lora_rank=32,
-        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    settings = DEEPSEEK | dict(
+        q_lora_rank=32, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         rope_parameters=yarn,
     )  # fmt: skip
+    return tiny_model(tokenizer, path, "deepseek_v3", seed=7, **(settings | config))
 
 
 V4_LAYERS = [

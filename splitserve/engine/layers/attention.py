@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.layers.fp8_kv import is_fp8_cache, pack_kv, rounded_kv, unpack_kv
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels.native import decode as native
 
@@ -128,7 +129,8 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = meta.num_decode_tokens
-        if not (n and native.use_native(qkv) and k_cache.is_contiguous()):
+        native_cache = k_cache.is_contiguous() and k_cache.dtype == qkv.dtype
+        if not (n and native.use_native(qkv) and native_cache):
             return super().forward_qkv(qkv, positions, rotary, k_cache, v_cache, meta)
         out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
         native.decode_attention(
@@ -156,6 +158,8 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if is_fp8_cache(k_cache):  # a chunk sees its own K/V as the cache gives them back
+            k, v = rounded_kv(k), rounded_kv(v)
         out = torch.empty_like(q)
         n = meta.num_decode_tokens
         if n:
@@ -170,8 +174,8 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = gather_context(k_cache, meta.decode_block_tables)
-        values = gather_context(v_cache, meta.decode_block_tables)
+        keys = read_context(k_cache, meta.decode_block_tables, q.dtype)
+        values = read_context(v_cache, meta.decode_block_tables, q.dtype)
         length = keys.shape[1]
         index = torch.arange(length, device=q.device)[None, :]
         lens = meta.decode_context_lens[:, None]
@@ -201,8 +205,8 @@ class TorchAttention(AttentionBackend):
         cached = seg.context_len - seg.length
         if cached:
             table = seg.block_table[None, :]
-            k = gather_context(k_cache, table)[0, : seg.context_len]
-            v = gather_context(v_cache, table)[0, : seg.context_len]
+            k = read_context(k_cache, table, q.dtype)[0, : seg.context_len]
+            v = read_context(v_cache, table, q.dtype)[0, : seg.context_len]
         window = self.sliding_window
         if window is not None and seg.context_len <= window:
             window = None  # every query's window holds its whole context
@@ -257,10 +261,24 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store each new token's K/V at its slot (block * block_size + offset)."""
+    """Store each new token's K/V at its slot (block * block_size + offset); an FP8 cache
+    stores each row's e4m3 values and scale (``fp8_kv.py``; torch copies FP8 as bytes)."""
     heads, dim = k_cache.shape[2], k_cache.shape[3]
+    if is_fp8_cache(k_cache):
+        k, v = pack_kv(k).view(torch.uint8), pack_kv(v).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def read_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``gather_context`` in dtype (an FP8 cache's rows dequantized)."""
+    if not is_fp8_cache(cache):
+        return gather_context(cache, block_tables)
+    rows = gather_context(cache.view(torch.uint8), block_tables).view(cache.dtype)
+    return unpack_kv(rows, dtype)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,9 @@ from splitserve.engine.layers.attention import (
     PrefillSegment,
     TorchAttention,
     chunk_attention,
-    gather_context,
+    read_context,
 )
+from splitserve.engine.layers.fp8_kv import is_fp8_cache, pack_kv, unpack_kv
 from splitserve.engine.layers.linear import dense, linear, norm_linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding, softmax_scale_factor
@@ -106,7 +107,7 @@ class MLAAttention(nn.Module):
         kv, k_rope = latent.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         q_rope, k_rope = rotary(positions, q_rope.contiguous(), k_rope.reshape(tokens, 1, -1))
         entry = torch.cat([self.kv_a_layernorm(kv.contiguous()), k_rope[:, 0]], dim=-1)
-        self.latent_cache.view(-1, mla.latent_dim).index_copy_(0, meta.slot_mapping, entry)
+        entry = write_latents(self.latent_cache, meta.slot_mapping, entry)
         out = q.new_empty(tokens, self.num_heads, mla.v_head_dim)
         n = meta.num_decode_tokens
         if n:
@@ -153,7 +154,7 @@ class MLAAttention(nn.Module):
         (the chunk's own ``entry`` [L, latent_dim]; earlier ones read from the cache)."""
         mla = self.mla
         if seg.context_len > seg.length:
-            cached = gather_context(self.latent_cache, seg.block_table[None, :])
+            cached = read_context(self.latent_cache, seg.block_table[None, :], entry.dtype)
             entry = cached[0, : seg.context_len, 0]
         context = entry.shape[0]
         kv = self.kv_b_proj(entry[:, : mla.kv_lora_rank]).view(context, self.num_heads, -1)
@@ -162,6 +163,20 @@ class MLAAttention(nn.Module):
         k = torch.cat([k_nope, k_rope], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         return chunk_attention(q, k, v, self.scale)
+
+
+def write_latents(cache: torch.Tensor, slots: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+    """Stores each token's latent | RoPE key entry [T, latent_dim] at its slot; returns the
+    entries as the cache gives them back (an FP8 cache: one e4m3 row and one scale per
+    token, ``fp8_kv.py``), which the step's own prefill attends to."""
+    if not is_fp8_cache(cache):
+        cache.view(-1, entry.shape[-1]).index_copy_(0, slots, entry)
+        return entry
+    packed = pack_kv(entry)
+    cache.view(torch.uint8).view(-1, packed.shape[-1]).index_copy_(
+        0, slots, packed.view(torch.uint8)
+    )
+    return unpack_kv(packed, entry.dtype)
 
 
 def mla_decode(
@@ -175,7 +190,7 @@ def mla_decode(
     """Absorbed MLA decode, the torch reference: query [B, H, latent_dim] over each row's
     cached latents [C, latent_dim] (cache [blocks, block_size, 1, latent_dim]), values their
     first ``value_dim`` (the latent without its RoPE part) -> [B, H, value_dim]."""
-    context = gather_context(latent_cache, block_tables)[:, :, 0]
+    context = read_context(latent_cache, block_tables, query.dtype)[:, :, 0]
     valid = torch.arange(context.shape[1], device=query.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(
         query[:, None],

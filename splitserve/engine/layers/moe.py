@@ -29,6 +29,11 @@ from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import use_kernels
+from splitserve.kernels.fp8_quant import BlockFp8
+
+ExpertWeight = torch.Tensor | BlockFp8
+"""A stack of experts' weights [E, N, K]: a tensor, or e4m3 blocks with their scales
+(``EngineConfig.quantization="fp8"``, ``layers/fp8_linear.py``)."""
 
 
 @dataclass(frozen=True)
@@ -106,12 +111,16 @@ def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
 
 def grouped_gemm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: ExpertWeight,
     offsets: torch.Tensor,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row r of the result is x[rows[r]] (x[r] when rows is None) times weight[e].T for the
     expert e whose [offsets[e], offsets[e + 1]) holds r; weight: [E, N, K]."""
+    if isinstance(weight, BlockFp8):
+        from splitserve.engine.layers.fp8_linear import fp8_grouped
+
+        return fp8_grouped(x, weight, offsets, rows)
     if use_kernels(x):
         from splitserve.kernels.grouped_gemm import grouped_gemm as kernel
 
@@ -131,8 +140,8 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 def experts_forward(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeight,
+    w2: ExpertWeight,
     routing: Routing,
     perm: Permutation,
     act: Activation = silu_and_mul,
@@ -147,8 +156,8 @@ def distributed_experts(
     ep: ExpertParallel,
     h: torch.Tensor,
     routing: Routing,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: ExpertWeight,
+    w2: ExpertWeight,
     act: Activation = silu_and_mul,
 ) -> torch.Tensor:
     """The routed experts of this rank's tokens h [T, H], computed on the ranks that hold them
@@ -204,9 +213,18 @@ class SparseMoE(nn.Module):
         """The experts of ``routing``'s choice for h, on this rank or across the group."""
         perm = permute(routing.experts, self.moe.num_experts)
         self.expert_load += perm.counts
+        w13, w2 = self.expert_weights()
         if self.ep is not None:
-            return distributed_experts(self.ep, h, routing, self.w13, self.w2, self.act)
-        return experts_forward(h, self.w13, self.w2, routing, perm, self.act)
+            return distributed_experts(self.ep, h, routing, w13, w2, self.act)
+        return experts_forward(h, w13, w2, routing, perm, self.act)
+
+    def expert_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """w13 and w2, with their block scales where they are FP8 (``layers/fp8_linear.py``
+        adds ``w13_scale_inv`` and ``w2_scale_inv``)."""
+        scales = getattr(self, "w13_scale_inv", None), getattr(self, "w2_scale_inv", None)
+        if scales[0] is None or scales[1] is None:
+            return self.w13, self.w2
+        return BlockFp8(self.w13, scales[0]), BlockFp8(self.w2, scales[1])
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The experts' activation (V4 clips it first)."""

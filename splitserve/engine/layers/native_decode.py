@@ -81,6 +81,8 @@ class NativeDecode:
             )
             if not all(isinstance(p, BlockLinear) for p in projections):
                 return None
+            if attn.k_cache.dtype != torch.float32:  # an FP8 cache (layers/fp8_kv.py)
+                return None
             if (
                 type(attn.backend) is not TorchAttention
                 or attn.backend.scale != attn0.backend.scale

@@ -5,6 +5,9 @@ run as one launch for the whole step; a step of decode tokens only runs all thre
 (``paged_decode_attention_qkv``). The prefill kernel takes the step's prefill segments as
 tensors (row starts, lengths, context lengths, a padded block table); they are built once per
 step, on the first layer that sees the metadata, and reused by the other layers.
+
+Over an FP8 cache (``layers/fp8_kv.py``) the K/V write is torch's (``write_kv``, which
+quantizes) and rotary runs on its own; the attention kernels dequantize the rows they load.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata, write_kv
+from splitserve.engine.layers.fp8_kv import is_fp8_cache
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels.decode_attention import (
     paged_decode_attention,
@@ -77,7 +81,10 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if is_fp8_cache(k_cache):
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q.contiguous(), k_cache, v_cache, meta)
 
     def forward_qkv(
@@ -92,6 +99,8 @@ class TritonAttention(AttentionBackend):
         """Rotary and the K/V write in one launch, then attention over the cache; all three in
         one launch when every token of the step is a decode token of its own sequence (not a
         verify step, whose rows read each other's K/V)."""
+        if is_fp8_cache(k_cache):
+            return super().forward_qkv(qkv, positions, rotary, k_cache, v_cache, meta)
         if not meta.prefills and meta.num_decode_tokens == qkv.shape[0] and not meta.verify:
             return paged_decode_attention_qkv(
                 qkv, self.num_heads, positions, rotary.cos, rotary.sin, meta.slot_mapping,

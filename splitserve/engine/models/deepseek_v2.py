@@ -25,6 +25,7 @@ from splitserve.engine.model_config import MLAConfig, ModelConfig
 from splitserve.engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from splitserve.engine.models.mixtral import MixtralForCausalLM, moe
 from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from splitserve.kernels.fp8_quant import BLOCK, FP8
 
 _IN_PROJ = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa")
 _SHARED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -125,9 +126,17 @@ def rope_reordered(
     weights: Iterable[tuple[str, torch.Tensor]], mla: MLAConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with the RoPE rows of its query and latent projections in
-    the engine's rotate-half order (``layers/mla.py``)."""
+    the engine's rotate-half order (``layers/mla.py``). FP8 blocks kept as they are
+    (``quantization="fp8"``) keep their scales: their rows may only move inside a block."""
     for name, tensor in weights:
         parts = name.split(".")
         if len(parts) >= 2 and parts[-1] == "weight":
+            if tensor.dtype == FP8 and not _inside_blocks(mla, parts[-2], tensor.shape[0]):
+                raise ValueError(f"{name}: its RoPE rows move across FP8 blocks")
             tensor = rope_layout(mla, parts[-2], tensor)
         yield name, tensor
+
+
+def _inside_blocks(mla: MLAConfig, projection: str, rows: int) -> bool:
+    index = torch.arange(rows)[:, None]
+    return bool((rope_layout(mla, projection, index)[:, 0] // BLOCK == index[:, 0] // BLOCK).all())

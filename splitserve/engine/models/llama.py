@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.engine.fp8_weights import SCALE_SUFFIX, fp8_copies
 from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
 from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.layers.linear import dense, linear, norm_linear
@@ -19,6 +20,7 @@ from splitserve.engine.layers.native_decode import NativeDecode
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
+from splitserve.kernels.fp8_quant import FP8
 
 
 class LlamaAttention(nn.Module):
@@ -217,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)
+        fp8 = {name for name, param in params.items() if param.dtype == FP8}
         for hf_name, tensor in weights:
             if hf_name == "model.rope_freqs.weight":
                 self.rotary.set_frequency_factors(tensor)
@@ -225,8 +228,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            for name, offset in self.weight_targets(hf_name):
-                filled[name] += _copy_rows(params[name], offset, tensor)
+            for target, at in self.weight_targets(hf_name.removesuffix(SCALE_SUFFIX)):
+                for name, offset, part in fp8_copies(hf_name, tensor, target, at, fp8):
+                    filled[name] += _copy_rows(params[name], offset, part)
         missing = sorted(n for n, p in params.items() if filled[n] != self.required_rows(n, p))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

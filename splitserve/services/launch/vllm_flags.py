@@ -48,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     vllm.add_argument("--device", choices=("cpu", "cuda"), default=None, help="every pool's device")
     vllm.add_argument("--speculative-config", default=None, metavar="JSON")
-    vllm.add_argument("--kv-cache-dtype", default=None, help="only auto (the model's dtype)")
-    vllm.add_argument("--quantization", default=None, help="only gguf (a GGUF file's own)")
+    vllm.add_argument("--kv-cache-dtype", default=None, help="auto (the model's dtype) or fp8")
+    vllm.add_argument(
+        "--quantization", default=None, help="fp8 (e4m3 blocks), or gguf (a GGUF file's own)"
+    )
     vllm.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
@@ -85,16 +87,20 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
         values["pools.*.device"] = args.device
     if args.speculative_config is not None:
         values["pools.*.speculative"] = _speculative(args.speculative_config)
-    if args.kv_cache_dtype not in (None, "auto"):
+    if args.kv_cache_dtype not in (None, "auto", "fp8"):
         raise ConfigError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: not supported; the KV cache is kept in "
-            "the model's dtype (auto)"
+            "the model's dtype (auto) or in e4m3 with scales (fp8)"
         )
-    if args.quantization not in (None, "gguf"):
+    if args.kv_cache_dtype == "fp8":
+        values["pools.*.engine.kv_cache_dtype"] = "fp8"
+    if args.quantization not in (None, "gguf", "fp8"):
         raise ConfigError(
-            f"--quantization {args.quantization}: not supported; quantized weights are read "
-            "from GGUF files (gguf)"
+            f"--quantization {args.quantization}: not supported; quantized weights are e4m3 "
+            "blocks (fp8) or read from GGUF files (gguf)"
         )
+    if args.quantization == "fp8":
+        values["pools.*.engine.quantization"] = "fp8"
     return values
 
 

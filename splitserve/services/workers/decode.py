@@ -120,7 +120,7 @@ class DecodeWorker(EngineWorker):
         embeddings = Slot((image_tokens, hidden), runner.dtype) if image_tokens else None
         until = time.monotonic() + self.timeout_s
         kv = self.engine.handoff.transfer_shape(len(request.prompt_token_ids))
-        return _Room(Slot(kv, runner.dtype), embeddings, until)
+        return _Room(Slot(kv, runner.kv_dtype), embeddings, until)
 
     def _slots(self, header: msg.KvHeader) -> list[Slot] | None:
         """The room for the header's tensors: a reservation's KV lands in the buffer the

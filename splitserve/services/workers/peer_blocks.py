@@ -125,7 +125,8 @@ def gather_prefix(
     device_ids = [s for s in sources if isinstance(s, int)]
     device = iter(runner.gather_blocks(device_ids).unbind(2) if device_ids else ())
     blocks = [
-        next(device) if isinstance(s, int) else s.to(runner.device, runner.dtype) for s in sources
+        next(device) if isinstance(s, int) else s.to(runner.device, runner.kv_dtype)
+        for s in sources
     ]
     return torch.stack(blocks, dim=2)
 
@@ -218,7 +219,7 @@ class PeerFetches:
         slots = None
         if asked is not None:
             runner = self.engine.runner
-            slots = [Slot(runner.kv_shape(asked.blocks), runner.dtype, free=2)]
+            slots = [Slot(runner.kv_shape(asked.blocks), runner.kv_dtype, free=2)]
         self.receiver.on_header(header, [header.shape], slots)
 
     def ready(self) -> list[msg.Prefill]:

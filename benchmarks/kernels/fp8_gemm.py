@@ -1,0 +1,131 @@
+"""The FP8 GEMM (``kernels/grouped_gemm.py: fp8_gemm``) on Llama-3-8B's four projections,
+beside bfloat16 (cuBLAS) and ``torch._scaled_mm`` with row-wise scales (cuBLAS's FP8 path),
+in one run (issue 42).
+
+For each projection (q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096, down 4096 x
+14336) and row count (1, 64, 256, 8192): the kernel's largest error against the dequantizing
+reference (``fp8_matmul_ref``), then the time of bfloat16 ``F.linear``, of ``_scaled_mm``
+(activations quantized per row, weights per output channel: its row-wise recipe), of the
+kernel alone (activations already quantized) and of the kernel with the per-token-group
+quantization before it (what a projection costs in the engine); the speedups over bfloat16
+and GB/s on the bytes each reads (FP8: one byte a weight, plus the scales).
+
+    python -m benchmarks.kernels.fp8_gemm            # on the GPU machine; $OUT/fp8_gemm.json
+    TRITON_INTERPRET=1 python -m benchmarks.kernels.fp8_gemm --device cpu --small
+                                                     # a smoke run of the checks, no timing
+
+Not run on a GPU yet: no number from it is in the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.bench.report import git_commit
+from splitserve.kernels.fp8_quant import (
+    FP8,
+    FP8_MAX,
+    fp8_matmul_ref,
+    quantize_blocks,
+    quantize_groups,
+)
+from splitserve.kernels.grouped_gemm import fp8_gemm
+
+PROJECTIONS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+ROWS = (1, 64, 256, 8192)
+SMALL = {"qkv": (192, 128), "down": (128, 320)}, (1, 16)
+
+
+def time_us(fn: Callable[[], Any], device: torch.device, iters: int = 50) -> float:
+    """Mean time of one call in µs (CUDA events after warm-up; wall clock elsewhere)."""
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    torch.cuda.synchronize()
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    for _ in range(iters):
+        fn()
+    end_ev.record()
+    torch.cuda.synchronize()
+    return start_ev.elapsed_time(end_ev) * 1000 / iters
+
+
+def rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_scaled_mm's row-wise recipe: e4m3 values and one float32 scale per row."""
+    scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str, Any]:
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    weight = quantize_blocks(w)
+    x_fp8, x_scale = quantize_groups(x)
+    out = fp8_gemm(x_fp8, x_scale, weight, torch.float32)
+    ref = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
+    err = ((out - ref).abs() / (1 + ref.abs())).max().item()
+    result: dict[str, Any] = {"gemm": name, "n": n, "k": k, "rows": rows, "max_err": err}
+    if device.type != "cuda":
+        return result
+    fp8_bytes = n * k + weight.scale.numel() * 4 + rows * k + rows * n * 2
+    times = {
+        "bf16_us": time_us(lambda: F.linear(x, w), device),
+        "kernel_us": time_us(lambda: fp8_gemm(x_fp8, x_scale, weight, dtype), device),
+        "kernel_with_quant_us": time_us(
+            lambda: fp8_gemm(*quantize_groups(x), weight, dtype), device
+        ),
+    }
+    w_row, w_scale = rowwise(w)
+    x_row, x_row_scale = rowwise(x)
+    times["scaled_mm_us"] = time_us(
+        lambda: torch._scaled_mm(
+            x_row, w_row.t(), scale_a=x_row_scale, scale_b=w_scale.t(), out_dtype=dtype
+        ),
+        device,
+    )
+    result |= times
+    result |= {f"{key[:-3]}_x_bf16": times["bf16_us"] / us for key, us in times.items()}
+    result["kernel_gb_per_s"] = fp8_bytes / times["kernel_us"] / 1e3
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (an interpreter run)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    projections, rows = SMALL if args.small else (PROJECTIONS, ROWS)
+    results = []
+    for name, (n, k) in projections.items():
+        for m in rows:
+            results.append(case(name, n, k, m, device))
+            print(json.dumps(results[-1]), flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    record = {"benchmark": "fp8_gemm", "commit": git_commit(), "device": name, "rows": results}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "fp8_gemm.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

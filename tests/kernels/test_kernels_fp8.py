@@ -1,0 +1,88 @@
+"""The FP8 x FP8 GEMMs (block-scaled weights, per-token-group activations) against their
+dequantizing torch references (``kernels/fp8_quant.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from splitserve.engine.fp8_weights import to_fp8_layers
+from splitserve.engine.layers.moe import SparseMoE
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.model_config import MoEConfig
+from splitserve.kernels.dispatch import set_kernels_on_cpu
+from splitserve.kernels.fp8_quant import (
+    BlockFp8,
+    fp8_grouped_ref,
+    fp8_matmul_ref,
+    quantize_blocks,
+    quantize_groups,
+)
+from splitserve.kernels.grouped_gemm import GemmTiles, fp8_gemm, fp8_grouped_gemm
+
+# Both sides sum exact FP8 products in float32, in a different order.
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(
+    "tiles", [GemmTiles(16, 32, 64), GemmTiles(16, 64, 32, split_k=3)], ids=["k64", "split-k"]
+)
+def test_fp8_gemm_matches_the_dequantized_product(tiles: GemmTiles) -> None:
+    """K = 200 (a partial second group), N = 150 (a partial second block of rows), 5 rows;
+    split-k: 3 splits of 96 (a step never crosses a group)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 200) * torch.linspace(0.1, 10, 200)
+    weight = quantize_blocks(torch.randn(150, 200) / 8)
+    xq, xs = quantize_groups(x)
+    out = fp8_gemm(xq, xs, weight, torch.float32, tiles)
+    expected = fp8_matmul_ref(xq, xs, weight, torch.float32)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_fp8_grouped_gemm_gathers_each_experts_rows() -> None:
+    """Experts 0 and 4 have no rows; rows gathered from 7 tokens; bfloat16 out."""
+    torch.manual_seed(1)
+    offsets = torch.tensor([0, 0, 9, 12, 20, 20])
+    weight = quantize_blocks(torch.randn(5, 140, 160) / 8)
+    xq, xs = quantize_groups(torch.randn(7, 160))
+    rows = torch.randint(0, 7, (20,))
+    out = fp8_grouped_gemm(xq, xs, weight, offsets, torch.bfloat16, rows, GemmTiles(16, 32, 64))
+    expected = fp8_grouped_ref(xq[rows], xs[rows], weight, offsets, torch.float32)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_the_reference_is_the_float32_product_of_the_dequantized_operands() -> None:
+    """Scales applied per group of K: a weight block and an activation group whose scales
+    differ by powers of two give the exact product."""
+    data = torch.full((2, 256), 2.0).to(torch.float8_e4m3fn)
+    weight = BlockFp8(data, torch.tensor([[0.5, 4.0]]))
+    x_fp8 = torch.ones(1, 256).to(torch.float8_e4m3fn)
+    x_scale = torch.tensor([[1.0, 0.25]])
+    out = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
+    assert out.tolist() == [[128 * 2 * 0.5 + 128 * 2 * 4.0 * 0.25] * 2]
+
+
+def test_fp8_layers_on_the_kernels_equal_the_cpu_path() -> None:
+    """An FP8 MoE layer (gathered rows, two grouped GEMMs) and an FP8 projection through the
+    Triton kernels, against the same layers on the torch reference."""
+    torch.manual_seed(3)
+    moe = SparseMoE(160, MoEConfig(num_experts=4, top_k=2, intermediate_size=64, renormalize=True))
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.ModuleDict({"mlp": moe, "proj": nn.Linear(160, 48)})])
+    assert to_fp8_layers(model) == 2
+    proj = model.layers[0]["proj"]
+    x = torch.randn(6, 160)
+    norm = RMSNorm(160, 1e-6)
+    with torch.no_grad():
+        expected = moe(x, None, norm)[0], proj(x)
+        set_kernels_on_cpu(True)
+        try:
+            got = moe(x, None, norm)[0], proj(x)
+        finally:
+            set_kernels_on_cpu(False)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
