@@ -222,16 +222,33 @@ class V4Attention(nn.Module):
             where = (windows[:, None] * rate + torch.arange(rate, device=slots.device)).flatten()
             flat = self.entry_cache.flatten(0, 1)
             flat[table[where // block_size] * block_size + where % block_size] = pieces
-        count = end // rate
-        held = self.entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)
-        return held[: count * rate].reshape(count, rate * self.layout.piece)
+        return held_entries(self.entry_cache, table, end // rate, rate)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with
         each head's sink in the softmax, in float32."""
-        scores = torch.einsum("lhd,kd->hlk", q.float(), keys.float()) * self.dim**-0.5
-        scores = scores.masked_fill(~mask[None], -torch.inf)
-        sink = self.sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
-        return torch.einsum("hlk,kd->lhd", probs, keys.float()).to(q.dtype)
+        return sink_attention(q, keys, mask, self.sinks)
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with each
+    head's sink (sinks [heads]) in the softmax, in float32."""
+    scores = torch.einsum("lhd,kd->hlk", q.float(), keys.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask[None], -torch.inf)
+    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hlk,kd->lhd", probs, keys.float()).to(q.dtype)
+
+
+def held_entries(
+    entry_cache: torch.Tensor, table: torch.Tensor, count: int, rate: int
+) -> torch.Tensor:
+    """The first ``count`` compressed entries [count, rate * piece] in entry_cache [blocks,
+    block_size, piece], read through group 0's table of a sequence: entry i's pieces fill
+    slots i * rate .. (i + 1) * rate - 1."""
+    block_size, piece = entry_cache.shape[1], entry_cache.shape[2]
+    held = entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)
+    return held[: count * rate].reshape(count, rate * piece)

@@ -1,0 +1,76 @@
+"""DeepSeek-V4's decode attention kernel against the engine's torch reference, through Triton's
+interpreter: a sliding layer, an HCA layer (entries of 8 tokens across blocks of 4) and a
+CSA layer with index lists (padded with -1), three rows whose windows start inside a block,
+one split and several, the caches column views of wider group rows as the engine binds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.layers.v4_decode import decode_reference
+from splitserve.kernels.v4_decode import v4_decode_attention
+
+DIM, WINDOW, BLOCK = 32, 8, 4
+CONTEXTS = [5, 37, 70]
+
+
+def _group(blocks: int, width: int, column: int, dtype: torch.dtype, gen: torch.Generator):
+    """Columns [column, column + width) of a random group tensor [blocks, BLOCK, 1, ...]."""
+    rows = torch.randn(blocks, BLOCK, 1, column + width + 3, generator=gen).to(dtype)
+    return rows[:, :, 0, column : column + width]
+
+
+def _tables(counts: list[int], gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Distinct random blocks, counts[i] for row i, padded with block 0; and the blocks used."""
+    total = sum(counts) + 1
+    ids = torch.randperm(total, generator=gen)[: sum(counts)].split(counts)
+    tables = torch.zeros(len(counts), max(counts), dtype=torch.long)
+    for row, blocks in enumerate(ids):
+        tables[row, : len(blocks)] = blocks
+    return tables, total
+
+
+def _window_rows(gen: torch.Generator, dtype: torch.dtype):
+    """The key group's cache and tables as ``kv_groups.window_metadata`` makes them: each
+    row's table starts at the block of position context - window."""
+    firsts = [max(c - WINDOW, 0) // BLOCK for c in CONTEXTS]
+    key_lens = torch.tensor([c - f * BLOCK for c, f in zip(CONTEXTS, firsts, strict=True)])
+    tables, blocks = _tables([-(-n // BLOCK) for n in key_lens.tolist()], gen)
+    return _group(blocks, DIM, 2, dtype, gen), tables, key_lens
+
+
+@pytest.mark.parametrize(
+    ("kind", "heads", "split", "dtype"),
+    [
+        ("sliding", 4, 16, torch.float32),
+        ("hca", 20, 16, torch.float32),
+        ("hca", 4, 256, torch.float16),
+        ("csa", 4, 16, torch.float32),
+        ("csa", 20, 256, torch.float16),
+    ],
+)
+def test_v4_decode_kernel_matches_the_torch_reference(
+    kind: str, heads: int, split: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(heads + split)
+    key_cache, key_tables, key_lens = _window_rows(gen, dtype)
+    q = torch.randn(len(CONTEXTS), heads, DIM, generator=gen).to(dtype)
+    sinks = torch.randn(heads, generator=gen)
+    entries, index = None, None
+    if kind != "sliding":
+        rate, index_dim = (4, 16) if kind == "csa" else (8, 0)
+        tables, blocks = _tables([-(-c // BLOCK) for c in CONTEXTS], gen)
+        cache = _group(blocks, (DIM + index_dim) // rate, 5, dtype, gen)
+        entries = (cache, tables, torch.tensor(CONTEXTS), rate)
+    if kind == "csa":
+        # the first row has one entry; the others 3 of 9 and of 17; -1 anywhere
+        index = torch.tensor([[-1, 0, -1], [7, 2, 4], [-1, 16, 3]])
+    got = v4_decode_attention(
+        q, key_cache, key_tables, key_lens, sinks, WINDOW, entries, index, split=split, block_n=16
+    )
+    expected = decode_reference(q, key_cache, key_tables, key_lens, sinks, WINDOW, entries, index)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
