@@ -1,7 +1,8 @@
 """DeepSeek-V4's decode attention kernel against the engine's torch reference, through Triton's
 interpreter: a sliding layer, an HCA layer (entries of 8 tokens across blocks of 4) and a
 CSA layer with index lists (padded with -1), three rows whose windows start inside a block,
-one split and several, the caches column views of wider group rows as the engine binds them."""
+one split and several, the caches column views of wider group rows as the engine binds them;
+the lightning indexer's scores kernel and its choice (ties to the lower entry)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from splitserve.engine.layers.lightning_indexer import choose
+from splitserve.engine.layers.lightning_indexer import index_scores as torch_index_scores
+from splitserve.engine.layers.v4_attention import held_entries
 from splitserve.engine.layers.v4_decode import decode_reference
 from splitserve.kernels.v4_decode import v4_decode_attention
+from splitserve.kernels.v4_indexer import index_scores, select_topk
 
 DIM, WINDOW, BLOCK = 32, 8, 4
 CONTEXTS = [5, 37, 70]
@@ -74,3 +79,36 @@ def test_v4_decode_kernel_matches_the_torch_reference(
     expected = decode_reference(q, key_cache, key_tables, key_lens, sinks, WINDOW, entries, index)
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def test_index_scores_and_choice_match_the_torch_indexer() -> None:
+    """The scores kernel against the torch path's index_scores on each row's closed entries
+    (-inf after them), and its choice of the best 3 equal to the torch path's where no
+    scores tie (random ones)."""
+    gen = torch.Generator().manual_seed(1)
+    rate, heads, index_dim = 4, 16, 16
+    tables, blocks = _tables([-(-c // BLOCK) for c in CONTEXTS], gen)
+    cache = _group(blocks, (DIM + index_dim) // rate, 5, torch.float32, gen)
+    lens = torch.tensor(CONTEXTS)
+    q = torch.randn(len(CONTEXTS), heads, index_dim, generator=gen)
+    weights = torch.randn(len(CONTEXTS), heads, generator=gen)
+    scores = index_scores(q, weights, (cache, tables, lens, rate), DIM, block_n=16)
+    assert scores.shape == (3, tables.shape[1] * BLOCK // rate)
+    index = select_topk(scores, 3)
+    for row, context in enumerate(CONTEXTS):
+        count = context // rate
+        keys = held_entries(cache, tables[row], count, rate)[:, DIM:]
+        expected = torch_index_scores(q[row : row + 1], weights[row : row + 1], keys)[0]
+        torch.testing.assert_close(scores[row, :count], expected, rtol=2e-5, atol=2e-5)
+        assert torch.isinf(scores[row, count:]).all()
+        chosen = choose(expected[None], torch.tensor([count]), 3)[0]
+        picked = index[row][index[row] >= 0]
+        assert picked.tolist() == chosen.nonzero()[:, 0].tolist()
+
+
+def test_index_choice_breaks_ties_to_the_lower_entry() -> None:
+    inf = float("inf")
+    scores = torch.tensor(
+        [[1, 2, 2, 2, 0, -inf], [5, 1, 1, 3, 1, -inf], [0.5, -inf, -inf, -inf, -inf, -inf]]
+    )
+    assert select_topk(scores, 3).tolist() == [[1, 2, 3], [0, 1, 3], [0, -1, -1]]
