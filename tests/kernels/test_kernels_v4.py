@@ -2,21 +2,28 @@
 interpreter: a sliding layer, an HCA layer (entries of 8 tokens across blocks of 4) and a
 CSA layer with index lists (padded with -1), three rows whose windows start inside a block,
 one split and several, the caches column views of wider group rows as the engine binds them;
-the lightning indexer's scores kernel and its choice (ties to the lower entry)."""
+the lightning indexer's scores kernel and its choice (ties to the lower entry); the tiny V4 on
+the "triton" backend with its decode rows through both, against the torch backend."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from splitserve import LLM, SamplingParams
+from splitserve.engine.layers import v4_attention
 from splitserve.engine.layers.lightning_indexer import choose
 from splitserve.engine.layers.lightning_indexer import index_scores as torch_index_scores
-from splitserve.engine.layers.v4_attention import held_entries
-from splitserve.engine.layers.v4_decode import decode_reference
+from splitserve.engine.layers.v4_decode import decode_reference, held_entries
+from splitserve.kernels.dispatch import use_kernels
 from splitserve.kernels.v4_decode import v4_decode_attention
 from splitserve.kernels.v4_indexer import index_scores, select_topk
+from tests.support.tiny_models import tiny_deepseek_v4
 
 DIM, WINDOW, BLOCK = 32, 8, 4
 CONTEXTS = [5, 37, 70]
@@ -112,3 +119,31 @@ def test_index_choice_breaks_ties_to_the_lower_entry() -> None:
         [[1, 2, 2, 2, 0, -inf], [5, 1, 1, 3, 1, -inf], [0.5, -inf, -inf, -inf, -inf, -inf]]
     )
     assert select_topk(scores, 3).tolist() == [[1, 2, 3], [0, 1, 3], [0, -1, -1]]
+
+
+def test_triton_backend_v4_greedy_tokens_equal_torch_backend(
+    smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny V4 (sliding, CSA, HCA and CSA layers) decoding two prompts side by side, its
+    attention's decode rows through the kernels (every cache starting as NaN: no slot is
+    read before it is written), gives the torch backend's tokens. Only the attention's
+    dispatch takes CPU tensors (the other layers' kernels would take most of a minute in the
+    interpreter); the CPU keeps torch otherwise."""
+    _, path = tiny_deepseek_v4(smollm2_tokenizer, tmp_path / "v4")
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (13, 30)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert not use_kernels(torch.zeros(1))
+    calls = []
+    monkeypatch.setattr(v4_attention, "use_kernels", lambda x: calls.append(x) or True)
+    tokens = {}
+    for backend, fill in (("torch", 0.0), ("triton", float("nan"))):
+        llm = LLM(model=path, attention_backend=backend, max_model_len=48, block_size=4)
+        for cache in llm.engine.runner.kv_caches:
+            cache.fill_(fill)
+        attention = llm.engine.runner.model.v4_attention()
+        assert all(a.kernel == (backend == "triton") for a in attention)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
+    assert len(calls) == 2 * 4  # 2 decode steps of 2 rows, 4 layers (the torch run asks none)
