@@ -140,17 +140,23 @@ def v4_decode_attention(
     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
     index: torch.Tensor | None = None,
     split: int = 256,
-    block_n: int = 32,
+    block_n: int | None = None,
     block_h: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (rotated) over key_cache [blocks, key block size, D] (rows of the window
     group's tables key_tables [B, width], padded; key_lens [B] rows each, the last the
     query's own key), with sinks [H] (float32). entries: (entry_cache [blocks, entry block
     size, piece], group 0's tables [B, width], context_lens [B], rate) for a compressed layer;
     index [B, k] (int, -1 padding): a CSA layer's chosen entries, else every closed entry.
-    split: keys per split (a multiple of block_n). -> [B, H, D]."""
+    split: keys per split (a multiple of block_n). -> [B, H, D].
+
+    The default tiles are MLA's (``mla_decode.py``: up to 64 heads and 64 keys of 512 values
+    a program, 8 warps at 64 heads), not yet measured on V4's shapes."""
     batch, heads, dim = q.shape
+    block_n = block_n or min(64, max(16, 32768 // dim))
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(heads)))
+    num_warps = num_warps or (8 if block_h >= 64 else 4)
     assert split % block_n == 0 and q.stride(2) == 1 and key_cache.stride(2) == 1
     assert key_tables.stride(1) == 1 and key_lens.is_contiguous() and sinks.is_contiguous()
     out = torch.empty_like(q)
@@ -166,7 +172,6 @@ def v4_decode_attention(
         max_entries = held if index is None else index.shape[1]
     splits = triton.cdiv(window + max_entries, split)
     pad_d = max(16, triton.next_power_of_2(dim))
-    block_h = block_h or min(64, max(16, triton.next_power_of_2(heads)))
     part_out = part_lse = out
     if splits > 1:
         part_out = torch.empty((batch, heads, splits + 1, pad_d), device=q.device)
