@@ -126,17 +126,17 @@ def test_triton_backend_v4_greedy_tokens_equal_torch_backend(
 ) -> None:
     """The tiny V4 (sliding, CSA, HCA and CSA layers) decoding two prompts side by side, its
     attention's decode rows through the kernels (every cache starting as NaN: no slot is
-    read before it is written), gives the torch backend's tokens. Only the attention's
-    dispatch takes CPU tensors (the other layers' kernels would take most of a minute in the
-    interpreter); the CPU keeps torch otherwise."""
+    read before it is written), gives the torch backend's tokens and top-5 log-probabilities.
+    Only the attention's dispatch takes CPU tensors (the other layers' kernels would take most
+    of a minute in the interpreter); the CPU keeps torch otherwise."""
     _, path = tiny_deepseek_v4(smollm2_tokenizer, tmp_path / "v4")
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (13, 30)]
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=5)
     assert not use_kernels(torch.zeros(1))
     calls = []
     monkeypatch.setattr(v4_attention, "use_kernels", lambda x: calls.append(x) or True)
-    tokens = {}
+    tokens, logprobs = {}, {}
     for backend, fill in (("torch", 0.0), ("triton", float("nan"))):
         llm = LLM(model=path, attention_backend=backend, max_model_len=48, block_size=4)
         for cache in llm.engine.runner.kv_caches:
@@ -145,5 +145,12 @@ def test_triton_backend_v4_greedy_tokens_equal_torch_backend(
         assert all(a.kernel == (backend == "triton") for a in attention)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+        logprobs[backend] = [
+            [(t, e.logprob) for step in o.outputs[0].logprobs or [] for t, e in step.items()]
+            for o in outputs
+        ]
     assert tokens["triton"] == tokens["torch"]
+    for got, expected in zip(logprobs["triton"], logprobs["torch"], strict=True):
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        assert [p for _, p in got] == pytest.approx([p for _, p in expected], abs=1e-5)
     assert len(calls) == 2 * 4  # 2 decode steps of 2 rows, 4 layers (the torch run asks none)
