@@ -121,12 +121,13 @@ def test_index_choice_breaks_ties_to_the_lower_entry() -> None:
     assert select_topk(scores, 3).tolist() == [[1, 2, 3], [0, 1, 3], [0, -1, -1]]
 
 
-def test_triton_backend_v4_greedy_tokens_equal_torch_backend(
+def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
     smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tiny V4 (sliding, CSA, HCA and CSA layers) decoding two prompts side by side, its
     attention's decode rows through the kernels (every cache starting as NaN: no slot is
-    read before it is written), gives the torch backend's tokens and top-5 log-probabilities.
+    read before it is written), gives the torch backend's tokens and top-5 log-probabilities,
+    in KV cache groups and in one group (the MTP drafter's layout).
     Only the attention's dispatch takes CPU tensors (the other layers' kernels would take most
     of a minute in the interpreter); the CPU keeps torch otherwise."""
     _, path = tiny_deepseek_v4(smollm2_tokenizer, tmp_path / "v4")
@@ -136,21 +137,27 @@ def test_triton_backend_v4_greedy_tokens_equal_torch_backend(
     assert not use_kernels(torch.zeros(1))
     calls = []
     monkeypatch.setattr(v4_attention, "use_kernels", lambda x: calls.append(x) or True)
-    tokens, logprobs = {}, {}
-    for backend, fill in (("torch", 0.0), ("triton", float("nan"))):
-        llm = LLM(model=path, attention_backend=backend, max_model_len=48, block_size=4)
+    runs = {}
+    for backend, hybrid in (("torch", True), ("triton", True), ("triton", False)):
+        llm = LLM(
+            model=path,
+            attention_backend=backend,
+            max_model_len=48,
+            block_size=4,
+            hybrid_kv_cache=hybrid,
+        )
         for cache in llm.engine.runner.kv_caches:
-            cache.fill_(fill)
+            cache.fill_(float("nan") if backend == "triton" else 0.0)
         attention = llm.engine.runner.model.v4_attention()
         assert all(a.kernel == (backend == "triton") for a in attention)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
-        logprobs[backend] = [
+        runs[backend, hybrid] = [
             [(t, e.logprob) for step in o.outputs[0].logprobs or [] for t, e in step.items()]
             for o in outputs
         ]
-    assert tokens["triton"] == tokens["torch"]
-    for got, expected in zip(logprobs["triton"], logprobs["torch"], strict=True):
-        assert [t for t, _ in got] == [t for t, _ in expected]
-        assert [p for _, p in got] == pytest.approx([p for _, p in expected], abs=1e-5)
-    assert len(calls) == 2 * 4  # 2 decode steps of 2 rows, 4 layers (the torch run asks none)
+    expected = runs["torch", True]
+    for got in (runs["triton", True], runs["triton", False]):
+        assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in expected]
+        values = [p for seq in got for _, p in seq]
+        assert values == pytest.approx([p for seq in expected for _, p in seq], abs=1e-5)
+    assert len(calls) == 2 * 2 * 4  # 2 runs x 2 decode steps x 4 layers (torch asks none)
