@@ -164,8 +164,8 @@ class V4Attention(nn.Module):
         steps = list(zip(query_groups(key_meta), query_groups(state_meta), query_groups(meta)))
         n = meta.num_decode_tokens
         if n and self.kernel and use_kernels(q):
-            for _, pooled, whole in steps[:n]:
-                if self.compressor is not None:
+            if self.compressor is not None:
+                for _, pooled, whole in steps[:n]:
                     self.pool(pooled, meta.slot_mapping[whole.rows], whole)
             out[:n] = self.decode(q[:n], x[:n], q_residual[:n], positions[:n], meta)
             steps = steps[n:]
@@ -186,7 +186,8 @@ class V4Attention(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """The step's decode rows [n, heads, dim] through the kernels, their entries pooled."""
+        """The step's decode rows [n, heads, dim] through the kernels (the windows they
+        close pooled already)."""
         entries = index = None
         if self.compressor is not None:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
