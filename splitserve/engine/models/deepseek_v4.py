@@ -71,7 +71,9 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(MixtralForCausalLM):
-    graph_safe = False  # the torch attention loops over the step's queries on the host
+    graph_safe = False
+    """The attention loops over the step's queries on the host (on the kernels, over the
+    decode rows' closing windows)."""
     mtp_architecture = "deepseek_v4_mtp"
     keep_hidden_states = False
     """Keep each step's residual streams [T, n, H] before the head's collapse in
