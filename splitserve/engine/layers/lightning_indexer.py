@@ -30,6 +30,15 @@ class LightningIndexer(nn.Module):
         self.weights_proj = nn.Linear(hidden_size, self.heads, bias=False)
         self.rope = rope
 
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index queries [L, heads, dim] (rotated) and head weights [L, heads] (float32)
+        of L queries (hidden states x, low-rank queries q_residual, positions)."""
+        q = dense(q_residual, self.q_b_proj).view(x.shape[0], self.heads, self.dim)
+        q = rotate(q, *self.rope.tables(positions))
+        return q, dense(x, self.weights_proj).float() * self.heads**-0.5
+
     def select(
         self,
         x: torch.Tensor,
@@ -39,16 +48,23 @@ class LightningIndexer(nn.Module):
     ) -> torch.Tensor:
         """[L, n] bool: the entries each of L queries (hidden states x, low-rank queries
         q_residual, positions) attends to, of the context's keys [n, index_head_dim]."""
-        rows, count = x.shape[0], keys.shape[0]
-        q = dense(q_residual, self.q_b_proj).view(rows, self.heads, self.dim)
-        q = rotate(q, *self.rope.tables(positions))
-        scores = F.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * self.dim**-0.5
-        weights = dense(x, self.weights_proj).float() * self.heads**-0.5
-        score = (scores * weights.unsqueeze(-1)).sum(dim=1)
-        seen = ((positions + 1) // self.rate)[:, None]
-        visible = torch.arange(count, device=x.device)[None, :] < seen
-        if count <= self.topk:
-            return visible
-        best = score.masked_fill(~visible, -torch.inf).topk(self.topk, dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(1, best, True)
-        return chosen & visible
+        q, weights = self.queries(x, q_residual, positions)
+        seen = (positions + 1) // self.rate
+        return choose(index_scores(q, weights, keys), seen, self.topk)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[L, n] float32: sum_h w_h relu(q_h . k) / sqrt(dim) of queries q [L, heads, dim], head
+    weights [L, heads] and keys [n, dim]."""
+    scores = F.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * q.shape[-1] ** -0.5
+    return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def choose(score: torch.Tensor, seen: torch.Tensor, topk: int) -> torch.Tensor:
+    """[L, n] bool: of scores [L, n], each query's ``topk`` best (by ``torch.topk``) of its
+    first ``seen`` [L] entries, or all of them where the context has no more than topk."""
+    visible = torch.arange(score.shape[1], device=score.device)[None, :] < seen[:, None]
+    if score.shape[1] <= topk:
+        return visible
+    best = score.masked_fill(~visible, -torch.inf).topk(topk, dim=-1).indices
+    return torch.zeros_like(visible).scatter_(1, best, True) & visible

@@ -14,7 +14,8 @@ The cache (``layers/v4_cache.py``): a token's key and compressor projections (it
 in sliding-window groups, the compressed entries in pieces in group 0. Every step writes its
 tokens' keys and state rows, pools the windows its tokens close into group 0 (except where a
 prefix hit's replay recomputes positions whose entries came from the cache), then attends:
-the torch reference below, a query (or a prefill chunk) at a time.
+the torch reference below, a query (or a prefill chunk) at a time; on the "triton" backend
+the CUDA decode rows take the kernels in one batch (``layers/v4_decode.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.v4_cache import LayerCache
 from splitserve.engine.layers.v4_compressor import Compressor
+from splitserve.engine.layers.v4_decode import decode_kernels, held_entries, sink_attention
 from splitserve.engine.model_config import ModelConfig
+from splitserve.kernels.dispatch import use_kernels
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,11 @@ def query_groups(meta: AttentionMetadata) -> list[QueryGroup]:
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, kernel: bool = False) -> None:
         super().__init__()
+        self.kernel = kernel
+        """The "triton" attention backend: CUDA decode rows take ``layers/v4_decode.py``'s
+        kernels."""
         v4 = cfg.v4
         assert v4 is not None
         self.kind, self.window, self.eps = kind, v4.window, cfg.rms_norm_eps
@@ -155,7 +161,14 @@ class V4Attention(nn.Module):
             state = torch.cat(rows[1:], dim=-1)
             self.state_cache.flatten(0, 1).index_copy_(0, state_meta.slot_mapping, state)
         out = torch.empty_like(q)
-        steps = zip(query_groups(key_meta), query_groups(state_meta), query_groups(meta))
+        steps = list(zip(query_groups(key_meta), query_groups(state_meta), query_groups(meta)))
+        n = meta.num_decode_tokens
+        if n and self.kernel and use_kernels(q):
+            if self.compressor is not None:
+                for _, pooled, whole in steps[:n]:
+                    self.pool(pooled, meta.slot_mapping[whole.rows], whole)
+            out[:n] = self.decode(q[:n], x[:n], q_residual[:n], positions[:n], meta)
+            steps = steps[n:]
         for near, pooled, whole in steps:
             r = whole.rows
             slots = meta.slot_mapping[r]
@@ -164,6 +177,25 @@ class V4Attention(nn.Module):
         out = rotate(out, cos, -sin)
         grouped = self.o_a_proj(out.view(tokens, self.o_a_proj.groups, -1))
         return dense(grouped, self.o_b_proj)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step's decode rows [n, heads, dim] through the kernels (the windows they
+        close pooled already)."""
+        entries = index = None
+        if self.compressor is not None:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            entries = (self.entry_cache, tables, lens, self.rate)
+        if self.indexer is not None:
+            index = (*self.indexer.queries(x, q_residual, positions), self.dim, self.indexer.topk)
+        key_meta = meta.group(self.groups[0])
+        return decode_kernels(q, self.key_cache, key_meta, self.sinks, self.window, entries, index)
 
     def attend(
         self,
@@ -198,10 +230,17 @@ class V4Attention(nn.Module):
         return self.attention(q, keys, mask)
 
     def entries(self, pooled: QueryGroup, slots: torch.Tensor, whole: QueryGroup) -> torch.Tensor:
-        """The context's compressed entries [context // rate, entry | index key]: those of
-        the windows this group's tokens close are pooled from the state rows and written to
-        group 0 first, but for tokens whose group-0 slot is the scratch block (a replay of a
-        cached prefix, whose entries are in the cache)."""
+        """The context's compressed entries [context // rate, entry | index key], after
+        ``pool``."""
+        self.pool(pooled, slots, whole)
+        return held_entries(
+            self.entry_cache, whole.block_table, whole.context_len // self.rate, self.rate
+        )
+
+    def pool(self, pooled: QueryGroup, slots: torch.Tensor, whole: QueryGroup) -> None:
+        """The entries of the windows this group's tokens close, pooled from the state rows
+        and written to group 0, but for tokens whose group-0 slot is the scratch block (a
+        replay of a cached prefix, whose entries are in the cache)."""
         assert self.compressor is not None
         rate, end = self.rate, whole.context_len
         start = end - slots.shape[0]
@@ -222,16 +261,8 @@ class V4Attention(nn.Module):
             where = (windows[:, None] * rate + torch.arange(rate, device=slots.device)).flatten()
             flat = self.entry_cache.flatten(0, 1)
             flat[table[where // block_size] * block_size + where % block_size] = pieces
-        count = end // rate
-        held = self.entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)
-        return held[: count * rate].reshape(count, rate * self.layout.piece)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with
         each head's sink in the softmax, in float32."""
-        scores = torch.einsum("lhd,kd->hlk", q.float(), keys.float()) * self.dim**-0.5
-        scores = scores.masked_fill(~mask[None], -torch.inf)
-        sink = self.sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
-        return torch.einsum("hlk,kd->lhd", probs, keys.float()).to(q.dtype)
+        return sink_attention(q, keys, mask, self.sinks)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.kv_cache_spec import KVCacheGroup, KVCacheSpec
-from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.hyper_connections import HyperConnection, HyperHead, spread
 from splitserve.engine.layers.norm import RMSNorm
@@ -39,7 +39,9 @@ _INDEXER_COMPRESSOR = ("kv_proj", "gate_proj", "position_bias", "kv_norm")
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, ep: ExpertParallel | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, index: int, ep: ExpertParallel | None, kernel: bool = False
+    ) -> None:
         super().__init__()
         v4 = v4_config(cfg)
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -47,7 +49,7 @@ class V4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_iters, v4.hc_eps, eps)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = V4Attention(cfg, v4.layer_kinds[index])
+        self.self_attn = V4Attention(cfg, v4.layer_kinds[index], kernel)
         config = moe(cfg)
         hashed = index in config.hash_layers
         self.mlp = V4MoE(hidden, config, hashed, cfg.vocab_size, ep)
@@ -69,7 +71,9 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(MixtralForCausalLM):
-    graph_safe = False  # the torch attention loops over the step's queries on the host
+    graph_safe = False
+    """The attention loops over the step's queries on the host (on the kernels, over the
+    decode rows' closing windows)."""
     mtp_architecture = "deepseek_v4_mtp"
     keep_hidden_states = False
     """Keep each step's residual streams [T, n, H] before the head's collapse in
@@ -88,7 +92,7 @@ class DeepseekV4ForCausalLM(MixtralForCausalLM):
         self.streams = v4.hc_mult
 
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
-        return V4DecoderLayer(cfg, index, self.ep)
+        return V4DecoderLayer(cfg, index, self.ep, uses_kernels(backend))
 
     def build_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
         """No tables: V4's attention rotates by its own interleaved rope at each call."""
@@ -173,6 +177,11 @@ class DeepseekV4ForCausalLM(MixtralForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(module_weights(weights))
+
+
+def uses_kernels(backend: AttentionBackend) -> bool:
+    """The "triton" backend: the attention's CUDA decode rows take the kernels."""
+    return not isinstance(backend, TorchAttention)
 
 
 def v4_config(cfg: ModelConfig) -> V4Config:

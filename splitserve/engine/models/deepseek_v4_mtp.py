@@ -28,7 +28,12 @@ from splitserve.engine.layers.expert_placement import ExpertParallel
 from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.models.deepseek_v4 import DeepseekV4ForCausalLM, V4DecoderLayer, v4_config
+from splitserve.engine.models.deepseek_v4 import (
+    DeepseekV4ForCausalLM,
+    V4DecoderLayer,
+    uses_kernels,
+    v4_config,
+)
 from splitserve.engine.models.deepseek_v4_names import module_name
 
 _OWN = ("enorm", "hnorm", "e_proj", "h_proj", "norm")
@@ -58,7 +63,7 @@ class DeepseekV4MTP(DeepseekV4ForCausalLM):
         self.hidden_states = torch.empty(0)
 
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
-        return V4DecoderLayer(self.block_config, self.mtp_index, self.ep)
+        return V4DecoderLayer(self.block_config, self.mtp_index, self.ep, uses_kernels(backend))
 
     def forward(
         self,

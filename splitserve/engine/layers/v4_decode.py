@@ -1,0 +1,92 @@
+"""DeepSeek-V4 attention's decode rows in one batch (``layers/v4_attention.py``): the
+softmax with sinks and the entries' gather that its torch path uses, the torch reference of
+``kernels/v4_decode.py`` built from them (a row at a time), and the launches of the
+kernels (the lightning indexer's, then the attention's) for a step's decode rows."""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.layers.attention import AttentionMetadata
+
+Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+"""(entry_cache [blocks, block_size, piece], group 0's tables [B, width], context_lens [B],
+rate): a compressed layer's entries for a batch of decode rows."""
+
+
+def decode_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_tables: torch.Tensor,
+    key_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int,
+    entries: Entries | None = None,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``kernels/v4_decode.py: v4_decode_attention`` in torch, its arguments the same: each
+    row's query over the last ``window`` of its key rows and, in a compressed layer, the
+    entries of its context (those of its index list where one is given)."""
+    out = torch.empty_like(q)
+    for row, key_len in enumerate(key_lens.tolist()):
+        keys = key_cache[key_tables[row]].flatten(0, 1)[max(0, key_len - window) : key_len]
+        mask = torch.ones(1, keys.shape[0], dtype=torch.bool, device=q.device)
+        if entries is not None:
+            entry_cache, tables, lens, rate = entries
+            count = int(lens[row]) // rate
+            held = held_entries(entry_cache, tables[row], count, rate)[:, : q.shape[-1]]
+            chosen = torch.ones(1, count, dtype=torch.bool, device=q.device)
+            if index is not None:
+                picked = index[row][(index[row] >= 0) & (index[row] < count)]
+                chosen = torch.zeros_like(chosen).index_fill_(1, picked, True)
+            keys = torch.cat([keys, held])
+            mask = torch.cat([mask, chosen], dim=1)
+        out[row] = sink_attention(q[row : row + 1], keys, mask, sinks)[0]
+    return out
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with each
+    head's sink (sinks [heads]) in the softmax, in float32."""
+    scores = torch.einsum("lhd,kd->hlk", q.float(), keys.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask[None], -torch.inf)
+    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hlk,kd->lhd", probs, keys.float()).to(q.dtype)
+
+
+def held_entries(
+    entry_cache: torch.Tensor, table: torch.Tensor, count: int, rate: int
+) -> torch.Tensor:
+    """The first ``count`` compressed entries [count, rate * piece] in entry_cache [blocks,
+    block_size, piece], read through group 0's table of a sequence: entry i's pieces fill
+    slots i * rate .. (i + 1) * rate - 1."""
+    block_size, piece = entry_cache.shape[1], entry_cache.shape[2]
+    held = entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)
+    return held[: count * rate].reshape(count, rate * piece)
+
+
+def decode_kernels(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_meta: AttentionMetadata,
+    sinks: torch.Tensor,
+    window: int,
+    entries: Entries | None,
+    indexer: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+) -> torch.Tensor:
+    """The decode rows q [n, heads, dim] over their window (key_meta: the key group's) and
+    entries; in a CSA layer ``indexer`` (index queries, head weights, the index keys' offset
+    in an entry, topk) picks them. Every launch reads its lengths on the device."""
+    from splitserve.kernels.v4_decode import v4_decode_attention  # lazy: Triton
+    from splitserve.kernels.v4_indexer import index_scores, select_topk
+
+    index = None
+    if indexer is not None and entries is not None:
+        index_q, weights, offset, topk = indexer
+        index = select_topk(index_scores(index_q, weights, entries, offset), topk)
+    tables, lens = key_meta.decode_block_tables, key_meta.decode_context_lens
+    return v4_decode_attention(q, key_cache, tables, lens, sinks, window, entries, index)

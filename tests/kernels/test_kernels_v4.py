@@ -1,0 +1,163 @@
+"""DeepSeek-V4's decode attention kernel against the engine's torch reference, through Triton's
+interpreter: a sliding layer, an HCA layer (entries of 8 tokens across blocks of 4) and a
+CSA layer with index lists (padded with -1), three rows whose windows start inside a block,
+one split and several, the caches column views of wider group rows as the engine binds them;
+the lightning indexer's scores kernel and its choice (ties to the lower entry); the tiny V4 on
+the "triton" backend with its decode rows through both, against the torch backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.layers import v4_attention
+from splitserve.engine.layers.lightning_indexer import choose
+from splitserve.engine.layers.lightning_indexer import index_scores as torch_index_scores
+from splitserve.engine.layers.v4_decode import decode_reference, held_entries
+from splitserve.kernels.dispatch import use_kernels
+from splitserve.kernels.v4_decode import v4_decode_attention
+from splitserve.kernels.v4_indexer import index_scores, select_topk
+from tests.support.tiny_models import tiny_deepseek_v4
+
+DIM, WINDOW, BLOCK = 32, 8, 4
+CONTEXTS = [5, 37, 70]
+
+
+def _group(blocks: int, width: int, column: int, dtype: torch.dtype, gen: torch.Generator):
+    """Columns [column, column + width) of a random group tensor [blocks, BLOCK, 1, ...]."""
+    rows = torch.randn(blocks, BLOCK, 1, column + width + 3, generator=gen).to(dtype)
+    return rows[:, :, 0, column : column + width]
+
+
+def _tables(counts: list[int], gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Distinct random blocks, counts[i] for row i, padded with block 0; and the blocks used."""
+    total = sum(counts) + 1
+    ids = torch.randperm(total, generator=gen)[: sum(counts)].split(counts)
+    tables = torch.zeros(len(counts), max(counts), dtype=torch.long)
+    for row, blocks in enumerate(ids):
+        tables[row, : len(blocks)] = blocks
+    return tables, total
+
+
+def _window_rows(gen: torch.Generator, dtype: torch.dtype):
+    """The key group's cache and tables as ``kv_groups.window_metadata`` makes them: each
+    row's table starts at the block of position context - window."""
+    firsts = [max(c - WINDOW, 0) // BLOCK for c in CONTEXTS]
+    key_lens = torch.tensor([c - f * BLOCK for c, f in zip(CONTEXTS, firsts, strict=True)])
+    tables, blocks = _tables([-(-n // BLOCK) for n in key_lens.tolist()], gen)
+    return _group(blocks, DIM, 2, dtype, gen), tables, key_lens
+
+
+@pytest.mark.parametrize(
+    ("kind", "heads", "split", "dtype"),
+    [
+        ("sliding", 4, 16, torch.float32),
+        ("hca", 20, 16, torch.float32),
+        ("hca", 4, 256, torch.float16),
+        ("csa", 4, 16, torch.float32),
+        ("csa", 20, 256, torch.float16),
+    ],
+)
+def test_v4_decode_kernel_matches_the_torch_reference(
+    kind: str, heads: int, split: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(heads + split)
+    key_cache, key_tables, key_lens = _window_rows(gen, dtype)
+    q = torch.randn(len(CONTEXTS), heads, DIM, generator=gen).to(dtype)
+    sinks = torch.randn(heads, generator=gen)
+    entries, index = None, None
+    if kind != "sliding":
+        rate, index_dim = (4, 16) if kind == "csa" else (8, 0)
+        tables, blocks = _tables([-(-c // BLOCK) for c in CONTEXTS], gen)
+        cache = _group(blocks, (DIM + index_dim) // rate, 5, dtype, gen)
+        entries = (cache, tables, torch.tensor(CONTEXTS), rate)
+    if kind == "csa":
+        # the first row has one entry; the others 3 of 9 and of 17; -1 anywhere
+        index = torch.tensor([[-1, 0, -1], [7, 2, 4], [-1, 16, 3]])
+    got = v4_decode_attention(
+        q, key_cache, key_tables, key_lens, sinks, WINDOW, entries, index, split=split, block_n=16
+    )
+    expected = decode_reference(q, key_cache, key_tables, key_lens, sinks, WINDOW, entries, index)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def test_index_scores_and_choice_match_the_torch_indexer() -> None:
+    """The scores kernel against the torch path's index_scores on each row's closed entries
+    (-inf after them), and its choice of the best 3 equal to the torch path's where no
+    scores tie (random ones)."""
+    gen = torch.Generator().manual_seed(1)
+    rate, heads, index_dim = 4, 16, 16
+    tables, blocks = _tables([-(-c // BLOCK) for c in CONTEXTS], gen)
+    cache = _group(blocks, (DIM + index_dim) // rate, 5, torch.float32, gen)
+    lens = torch.tensor(CONTEXTS)
+    q = torch.randn(len(CONTEXTS), heads, index_dim, generator=gen)
+    weights = torch.randn(len(CONTEXTS), heads, generator=gen)
+    scores = index_scores(q, weights, (cache, tables, lens, rate), DIM, block_n=16)
+    assert scores.shape == (3, tables.shape[1] * BLOCK // rate)
+    index = select_topk(scores, 3)
+    for row, context in enumerate(CONTEXTS):
+        count = context // rate
+        keys = held_entries(cache, tables[row], count, rate)[:, DIM:]
+        expected = torch_index_scores(q[row : row + 1], weights[row : row + 1], keys)[0]
+        torch.testing.assert_close(scores[row, :count], expected, rtol=2e-5, atol=2e-5)
+        assert torch.isinf(scores[row, count:]).all()
+        chosen = choose(expected[None], torch.tensor([count]), 3)[0]
+        picked = index[row][index[row] >= 0]
+        assert picked.tolist() == chosen.nonzero()[:, 0].tolist()
+
+
+def test_index_choice_breaks_ties_to_the_lower_entry() -> None:
+    inf = float("inf")
+    scores = torch.tensor(
+        [[1, 2, 2, 2, 0, -inf], [5, 1, 1, 3, 1, -inf], [0.5, -inf, -inf, -inf, -inf, -inf]]
+    )
+    assert select_topk(scores, 3).tolist() == [[1, 2, 3], [0, 1, 3], [0, -1, -1]]
+
+
+def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
+    smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny V4 (sliding, CSA, HCA and CSA layers) decoding two prompts side by side, its
+    attention's decode rows through the kernels (every cache starting as NaN: no slot is
+    read before it is written), gives the torch backend's tokens and top-5 log-probabilities,
+    in KV cache groups and in one group (the MTP drafter's layout).
+    Only the attention's dispatch takes CPU tensors (the other layers' kernels would take most
+    of a minute in the interpreter); the CPU keeps torch otherwise."""
+    _, path = tiny_deepseek_v4(smollm2_tokenizer, tmp_path / "v4")
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (13, 30)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=5)
+    assert not use_kernels(torch.zeros(1))
+    calls = []
+    monkeypatch.setattr(v4_attention, "use_kernels", lambda x: calls.append(x) or True)
+    runs = {}
+    for backend, hybrid in (("torch", True), ("triton", True), ("triton", False)):
+        llm = LLM(
+            model=path,
+            attention_backend=backend,
+            max_model_len=48,
+            block_size=4,
+            hybrid_kv_cache=hybrid,
+        )
+        for cache in llm.engine.runner.kv_caches:
+            cache.fill_(float("nan") if backend == "triton" else 0.0)
+        attention = llm.engine.runner.model.v4_attention()
+        assert all(a.kernel == (backend == "triton") for a in attention)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[backend, hybrid] = [
+            [(t, e.logprob) for step in o.outputs[0].logprobs or [] for t, e in step.items()]
+            for o in outputs
+        ]
+    expected = runs["torch", True]
+    for got in (runs["triton", True], runs["triton", False]):
+        assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in expected]
+        values = [p for seq in got for _, p in seq]
+        assert values == pytest.approx([p for seq in expected for _, p in seq], abs=1e-5)
+    assert len(calls) == 2 * 2 * 4  # 2 runs x 2 decode steps x 4 layers (torch asks none)
