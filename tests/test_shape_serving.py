@@ -1,7 +1,9 @@
-"""A random-weight shape (`shape:tiny-llama`) served end to end by a real `splitserve serve`
-(the default 1P1D deployment): completions through the official openai client with token-id
-and numeric-text prompts, and `splitserve bench serve` with the shape's tokenizer; and
-`shape:tiny-deepseek-v4` served 1P1D (the handoff of its KV cache groups) as offline."""
+"""A random-weight shape served end to end by a real `splitserve serve` (the default 1P1D
+deployment), `shape:tiny-deepseek-v4`: its completions equal the offline engine's (the handoff
+of V4's KV cache groups, a prefix hit replayed on the prefill worker); completions through the
+official openai client with token-id and numeric-text prompts; `splitserve bench serve` with
+the shape's tokenizer, its shared-prefix and multi-turn datasets included. One deployment: a
+second (`shape:tiny-llama`) cost the suite about 15 s."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.loader import NumericTokenizer, load_tokenizer
 from tests.support.server_process import REPO, ServerProcess, serve
 
-MODEL = "shape:tiny-llama"
+MODEL = "shape:tiny-deepseek-v4"
 VOCAB = 512
 
 
@@ -122,21 +124,18 @@ def test_bench_serve_runs_the_prefix_datasets_against_a_shape_model(
 
 
 @pytest.mark.slow
-def test_deepseek_v4_served_1p1d_completes_as_offline() -> None:
+def test_deepseek_v4_served_1p1d_completes_as_offline(client: openai.OpenAI) -> None:
     """A prompt of 3 tokens and one of 100 (12 windows, 25 CSA and 12 HCA entries), then the
     second again with 20 more (a prefix hit on the prefill worker, the window replayed): the
     decode worker goes on from the handed-over entries and window rows as one engine does."""
-    model = "shape:tiny-deepseek-v4"
     long = [(7 * i) % 500 + 3 for i in range(100)]
     prompts = [[5, 17, 300], long, long + list(range(40, 60))]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    offline = [o.outputs[0].text for o in LLM(model=model).generate(prompts, params, False)]
-    with serve(f"model={model}") as process:
-        client = openai.OpenAI(base_url=process.api, api_key="unused", max_retries=0)
-        served = [
-            client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0)
-            .choices[0]
-            .text
-            for p in prompts
-        ]
+    offline = [o.outputs[0].text for o in LLM(model=MODEL).generate(prompts, params, False)]
+    served = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
     assert served == offline
