@@ -76,36 +76,12 @@ INLINE void block_q8_0(const uint8_t *b, const float *xb, int64_t K, const int M
     }
 }
 
-/* k_scales (blocks.h) in vector registers: the same products, the scalar code's loop and int to
- * float conversions cost a third of a one-row Q4_K product. */
-INLINE void k_scales_avx2(int qtype, const uint8_t *b, kscales *s) {
-    if (qtype == Q6_K) {
-        __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(b + 208)));
-        for (int i = 0; i < 2; i++) {
-            __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * i)));
-            _mm256_storeu_ps(s->d + 8 * i, _mm256_mul_ps(d, tofloat(sc)));
-        }
-        return;
-    }
-    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int *)b));
-    uint32_t w[3];
-    __builtin_memcpy(w, b + 4, 12);
-    /* bytes of the 6-bit scales (parts 0-3, then 4-7) and mins, as k_scales unpacks them */
-    uint32_t sc_lo = w[0] & 0x3f3f3f3fu, mn_lo = w[1] & 0x3f3f3f3fu;
-    uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
-    uint32_t mn_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-    __m256i sc = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo));
-    __m256i mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo));
-    _mm256_storeu_ps(s->d, _mm256_mul_ps(_mm256_broadcastss_ps(dm), tofloat(sc)));
-    _mm256_storeu_ps(s->m, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), tofloat(mn)));
-}
-
 /* A Q4_K block: parts 2 c and 2 c + 1 share bytes [32 c, 32 c + 32) of the quants (low and
  * high nibbles), widened once for both. */
 INLINE void block_q4_k(const uint8_t *b, const float *xb, int64_t K, const int MT, const int A,
                        __m256 acc[][ACC]) {
     kscales s;
-    k_scales_avx2(Q4_K, b, &s);
+    k_scales_x86(Q4_K, b, &s);
     const __m256i low = _mm256_set1_epi32(15);
     for (int c = 0; c < 4; c++) {
         __m256 d0 = _mm256_set1_ps(s.d[2 * c]), m0 = _mm256_set1_ps(-s.m[2 * c]);
@@ -125,7 +101,7 @@ INLINE void block_q4_k(const uint8_t *b, const float *xb, int64_t K, const int M
 INLINE void block_q6_k(const uint8_t *b, const float *xb, int64_t K, const int MT, const int A,
                        __m256 acc[][ACC]) {
     kscales s;
-    k_scales_avx2(Q6_K, b, &s);
+    k_scales_x86(Q6_K, b, &s);
     const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(48);
     for (int h = 0; h < 2; h++) {
         for (int i = 0; i < 4; i++) {

@@ -124,7 +124,7 @@ INLINE void block_fma(int qtype, const uint8_t *blk, int64_t b, const float *x, 
                       const int MT, int64_t K, const int A, const int u, __m512 acc[8][4]) {
     const int values = block_values(qtype), parts = values / QK;
     kscales s;
-    if (parts > 1) k_scales(qtype, blk, &s);
+    if (parts > 1) k_scales_x86(qtype, blk, &s);
 #pragma GCC unroll 8
     for (int p = 0; p < parts; p++) {
         __m512 v[2];

@@ -134,26 +134,31 @@ INLINE float row_dot(int qtype, const uint8_t *row, int64_t nb, const int16_t *x
         for (; b < nb; b++) a0 = block32(qtype, row, b, x16, sx, a0);
     } else if (qtype == Q4_K) {
         const __m256i low = _mm256_set1_epi8(15);
+        __m256 mins = _mm256_setzero_ps(); /* sum of m[p] sx sum(x16), 8 parts a lane */
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * 144;
             const int16_t *xb = x16 + b * QK_K;
-            const float *sxb = sx + b * 8;
             kscales s;
-            k_scales(Q4_K, blk, &s);
-            for (int pair = 0; pair < 4; pair += 2) {
-                __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * pair));
-                __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * pair));
-                int p = 2 * pair;
-                a0 = part_u8(_mm256_and_si256(q0, low), xb + QK * p, s.d[p] * sxb[p], a0);
+            k_scales_x86(Q4_K, blk, &s);
+            __m256 sxb = _mm256_loadu_ps(sx + b * 8);
+            float f[8]; /* d[p] sx of each part */
+            _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_loadu_ps(s.d), sxb));
+            mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s.m), sxb),
+                                   _mm256_loadu_ps(sums + b * 8), mins);
+            for (int p = 0; p < 8; p += 4) {
+                __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 16 + 16 * p));
+                __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 48 + 16 * p));
+                a0 = part_u8(_mm256_and_si256(q0, low), xb + QK * p, f[p], a0);
                 a1 = part_u8(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low), xb + QK * (p + 1),
-                             s.d[p + 1] * sxb[p + 1], a1);
-                a2 = part_u8(_mm256_and_si256(q1, low), xb + QK * (p + 2), s.d[p + 2] * sxb[p + 2],
-                             a2);
+                             f[p + 1], a1);
+                a2 = part_u8(_mm256_and_si256(q1, low), xb + QK * (p + 2), f[p + 2], a2);
                 a3 = part_u8(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low), xb + QK * (p + 3),
-                             s.d[p + 3] * sxb[p + 3], a3);
+                             f[p + 3], a3);
             }
-            for (int p = 0; p < 8; p++) corr += s.m[p] * sxb[p] * sums[b * 8 + p];
         }
+        __m128 half4 = _mm_add_ps(_mm256_castps256_ps128(mins), _mm256_extractf128_ps(mins, 1));
+        half4 = _mm_add_ps(half4, _mm_movehl_ps(half4, half4));
+        corr = _mm_cvtss_f32(_mm_add_ss(half4, _mm_movehdup_ps(half4)));
     } else { /* Q6_K */
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * 210;
