@@ -153,16 +153,19 @@ static int interleavable(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || q
  * threads, 2.01 against 1.62 ms at 8; benchmarks/native_blocks.py). */
 static int interleaved_from(int qtype) { return qtype == Q8_0 ? 8 : 2; }
 
-/* Whether a one-row product of qtype takes 16-bit activations (blocks_row16.c): the types
- * whose float32 dequantization costs more than their bytes take to arrive (Gemma 3's), on a
- * CPU with AVX-512BW. Q4_0 and Q4_1 keep the float32 path, fast enough at one row. */
-static int row16(int qtype) {
+/* The path a one-row product of qtype on isa takes on 16-bit activations (blocks_row16.c):
+ * ISA_AVX512 with AVX-512BW, else ISA_AVX2 (blocks_row16_avx2.c), for the types whose float32
+ * dequantization costs more than their bytes take to arrive (Gemma 3's); ISA_PORTABLE: none.
+ * Q4_0 and Q4_1 keep the float32 path, fast enough at one row. */
+static int row16(int qtype, int isa) {
     static int bw = -1;
     if (bw < 0) bw = splitserve_has_avx512bw();
-    return bw && (qtype == Q8_0 || qtype == Q5_0 || qtype == Q4_K || qtype == Q6_K);
+    if (!(qtype == Q8_0 || qtype == Q5_0 || qtype == Q4_K || qtype == Q6_K)) return ISA_PORTABLE;
+    if (isa == ISA_AVX512 && bw) return ISA_AVX512;
+    return isa >= ISA_AVX2 ? ISA_AVX2 : ISA_PORTABLE;
 }
 
-static int one_row16(int qtype, const float *x, int64_t K, const uint8_t *w, int64_t N,
+static int one_row16(int qtype, int path, const float *x, int64_t K, const uint8_t *w, int64_t N,
                      float *out) {
     int16_t *x16 = malloc(sizeof(int16_t) * (size_t)K);
     float *sx = malloc(sizeof(float) * (size_t)(2 * (K / QK)));
@@ -177,7 +180,10 @@ static int one_row16(int qtype, const float *x, int64_t K, const uint8_t *w, int
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        splitserve_row16_range(qtype, x16, sx, sx + K / QK, K, w, n0, n1, out);
+        if (path == ISA_AVX512)
+            splitserve_row16_range(qtype, x16, sx, sx + K / QK, K, w, n0, n1, out);
+        else
+            splitserve_row16_avx2_range(qtype, x16, sx, sx + K / QK, K, w, n0, n1, out);
     }
     free(x16);
     free(sx);
@@ -200,8 +206,8 @@ int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64
     int invariant = (isa & BLOCKS_INVARIANT) != 0, best = splitserve_best_isa();
     isa &= ~BLOCKS_INVARIANT;
     isa = isa < best ? isa : best;
-    if (M == 1 && !invariant && isa == ISA_AVX512 && row16(qtype))
-        return one_row16(qtype, x, K, w, N, out);
+    int path = M == 1 && !invariant ? row16(qtype, isa) : ISA_PORTABLE;
+    if (path != ISA_PORTABLE) return one_row16(qtype, path, x, K, w, N, out);
     int from = invariant ? 1 : interleaved_from(qtype);
     if (isa == ISA_AVX512 && il && interleavable(qtype) && M >= from) {
         int64_t pairs = (N + 31) / 32;

@@ -174,12 +174,16 @@ void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, co
         }                                                                               \
     }
 
-/* One-row products on 16-bit activations (blocks_row16.c): x [K] rounded once per call, then
- * outputs [n0, n1) of out[N]. Q8_0, Q5_0, Q4_K, Q6_K, on CPUs with AVX-512BW. */
+/* One-row products on 16-bit activations (blocks_row16.c, blocks_row16_avx2.c): x [K] rounded
+ * once per call, then outputs [n0, n1) of out[N]. Q8_0, Q5_0, Q4_K, Q6_K, on CPUs with
+ * AVX-512BW, or AVX2. */
 int splitserve_has_avx512bw(void);
 void splitserve_round_row16(const float *x, int64_t K, int16_t *x16, float *sx, float *sums);
 void splitserve_row16_range(int qtype, const int16_t *x16, const float *sx, const float *sums,
                             int64_t K, const uint8_t *w, int64_t n0, int64_t n1, float *out);
+void splitserve_row16_avx2_range(int qtype, const int16_t *x16, const float *sx,
+                                 const float *sums, int64_t K, const uint8_t *w, int64_t n0,
+                                 int64_t n1, float *out);
 
 /* The many-row product on the interleaved copy (blocks_interleaved.c describes the layout):
  * outputs [32 pair, 32 pair + 32) of out[M, N]. AVX-512 only; Q4_0, Q4_1, Q8_0. */

@@ -9,9 +9,10 @@ stack (``engine/layers/native_decode.py``) takes the same. ``dequantize_ref`` is
 reference, the same float32 operations as gguf's numpy ``dequantize``, and
 ``block_matmul_ref`` multiplies by its result.
 
-A one-row product of Q8_0, Q5_0, Q4_K or Q6_K on AVX-512 (with BW) rounds its row to int16 in
-blocks of 32 values first (``blocks_row16.c``): each value to within 2^-15 of its block's
-largest (``rounds_one_row``, ``one_row_error_bound``); every other product takes x in float32.
+A one-row product of Q8_0, Q5_0, Q4_K or Q6_K on AVX-512 (with BW) or AVX2 rounds its row to
+int16 in blocks of 32 values first (``blocks_row16.c``, ``blocks_row16_avx2.c``): each value to
+within 2^-15 of its block's largest (``rounds_one_row``, ``one_row_error_bound``); every other
+product takes x in float32.
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ def rounds_one_row(qtype: int, isa: str | None = None) -> bool:
     lib = load()
     if lib is None or qtype not in ROUNDED_ONE_ROW:
         return False
-    level = min(ISAS.index(isa or native_isa()), best_isa())
-    return ISAS[level] == "avx512" and bool(lib.splitserve_has_avx512bw())
+    return min(ISAS.index(isa or native_isa()), best_isa()) >= ISAS.index("avx2")
 
 
 def one_row_error_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ SOURCES = (
     "blocks_avx512.c",
     "blocks_interleaved.c",
     "blocks_row16.c",
+    "blocks_row16_avx2.c",
     "decode.c",
     "prefill.c",
 )
