@@ -113,6 +113,26 @@ __attribute__((target("avx2,f16c"), always_inline)) static inline void k_scales_
     _mm256_storeu_ps(s->d, _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(sc)));
     _mm256_storeu_ps(s->m, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mn)));
 }
+
+/* An fp16 at p as float32 (one vcvtph2ps; half_at's value). */
+__attribute__((target("f16c"), always_inline)) static inline float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Part p of a Q6_K block's quants minus 32, as signed bytes (values 128 h + 32 s + j): the
+ * one-row 16-bit products' (blocks_row16.c, blocks_row16_avx2.c). */
+__attribute__((target("avx2"), always_inline)) static inline __m256i q6_k_quants(const uint8_t *b,
+                                                                                 int p) {
+    int h = p / 4, s = p % 4;
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    if (s >> 1) lo = _mm256_srli_epi16(lo, 4);
+    lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
+    hi = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * s), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
 #endif
 
 /* The AVX2 and AVX-512 paths (blocks_avx2.c, blocks_avx512.c): outputs [n0, n1) of

@@ -61,12 +61,6 @@ INLINE __m512 dot_s8(__m256i q, const int16_t *x16) {
     return _mm512_cvtepi32_ps(p);
 }
 
-INLINE float half(const uint8_t *p) {
-    uint16_t h;
-    __builtin_memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* The 32 5-bit quants of a Q5_0 block minus 16, as signed bytes. */
 INLINE __m256i q5_0_quants(const uint8_t *b) {
     __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6)), low = _mm_set1_epi8(15);
@@ -75,18 +69,6 @@ INLINE __m256i q5_0_quants(const uint8_t *b) {
     __builtin_memcpy(&qh, b + 2, 4);
     q = _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16));
     return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-}
-
-/* Part p of a Q6_K block's quants minus 32, as signed bytes (values 128 h + 32 s + j). */
-INLINE __m256i q6_k_quants(const uint8_t *b, int p) {
-    int h = p / 4, s = p % 4;
-    __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
-    __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-    if (s >> 1) lo = _mm256_srli_epi16(lo, 4);
-    lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
-    hi = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * s), _mm256_set1_epi8(3));
-    __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
 }
 
 /* acc + dot(q, x16 of the part) * scale: one part of 32 weights. */
@@ -104,7 +86,7 @@ INLINE __m512 block32(int qtype, const uint8_t *row, int64_t b, const int16_t *x
                       const float *sx, __m512 acc) {
     const uint8_t *blk = row + b * (qtype == Q8_0 ? 34 : 22);
     __m256i q = qtype == Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : q5_0_quants(blk);
-    return part_s8(q, x16 + b * QK, _mm512_set1_ps(half(blk) * sx[b]), acc);
+    return part_s8(q, x16 + b * QK, _mm512_set1_ps(half_f16c(blk) * sx[b]), acc);
 }
 
 /* Q6_K part p of block blk into acc, whose x16 part starts at x16 and has scale sx. */
@@ -164,7 +146,7 @@ INLINE float row_dot(int qtype, const uint8_t *row, int64_t nb, const int16_t *x
             const uint8_t *blk = row + b * 210;
             const int16_t *xb = x16 + b * QK_K;
             const float *sxb = sx + b * 8;
-            float d = half(blk + 208);
+            float d = half_f16c(blk + 208);
             for (int p = 0; p < 8; p += 4) {
                 a0 = q6_k_part(blk, p, d * sxb[p], xb + QK * p, a0);
                 a1 = q6_k_part(blk, p + 1, d * sxb[p + 1], xb + QK * (p + 1), a1);

@@ -24,12 +24,6 @@ INLINE __m256 part(__m256i q, int s, const int16_t *x16, float scale, __m256 acc
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
 }
 
-INLINE float half(const uint8_t *p) {
-    uint16_t h;
-    __builtin_memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* The 32 5-bit quants of a Q5_0 block minus 16, as signed bytes: bit j of the block's high
  * bits spread to byte j (each byte of the broadcast word tested against its own bit). */
 INLINE __m256i q5_0_quants(const uint8_t *b) {
@@ -47,17 +41,6 @@ INLINE __m256i q5_0_quants(const uint8_t *b) {
     return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
 }
 
-/* Part p of a Q6_K block's quants minus 32, as signed bytes (as blocks_row16.c). */
-INLINE __m256i q6_k_quants(const uint8_t *b, int p) {
-    int h = p / 4, s = p % 4;
-    __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
-    __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-    if (s >> 1) lo = _mm256_srli_epi16(lo, 4);
-    lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
-    hi = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * s), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-}
-
 INLINE float row_dot(int qtype, const uint8_t *row, int64_t nb, const int16_t *x16,
                      const float *sx, const float *sums) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -70,7 +53,7 @@ INLINE float row_dot(int qtype, const uint8_t *row, int64_t nb, const int16_t *x
         const uint8_t *blk = row + (b + i) * bytes;                                             \
         __m256i q = qtype == Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))             \
                                   : q5_0_quants(blk);                                           \
-        acc = part(q, 1, x16 + (b + i) * QK, half(blk) * sx[b + i], acc);                       \
+        acc = part(q, 1, x16 + (b + i) * QK, half_f16c(blk) * sx[b + i], acc);                       \
     } while (0)
         for (; b + 4 <= nb; b += 4) {
             BLOCK(0, a0);
@@ -111,7 +94,7 @@ INLINE float row_dot(int qtype, const uint8_t *row, int64_t nb, const int16_t *x
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * 210;
             const int16_t *xb = x16 + b * QK_K;
-            float d = half(blk + 208);
+            float d = half_f16c(blk + 208);
             for (int p = 0; p < 8; p++) {
                 float f = d * sx[b * 8 + p];
                 __m256i q = q6_k_quants(blk, p);
