@@ -1,0 +1,138 @@
+"""The batch-invariant GEMM of deterministic mode: ``x [M, K] @ weight[N, K].T (+ bias)`` whose
+every output row is the same bits whatever M is and wherever the row sits among the M.
+
+cuBLAS (``F.linear``) picks its tile and its split-K by the row count, so a row's sums run in
+another order at 1 row than at 64; the GEMV of one-row steps is another order again. Here:
+
+- one tile shape (``BLOCK_M`` x ``BLOCK_N`` x ``BLOCK_K``) and one warp count at every M: a
+  row's products and sums are the same ``tl.dot`` instructions on the same K tiles, and an
+  MMA's output row depends only on its own input row (rows past M are zeros, which touch no
+  other row);
+- the K loop in one order, and for parallelism at small M a split-K whose split count comes
+  from (N, K) alone (``num_splits``): each split's float32 partial sums go to ``[S, M, N]`` and
+  a second launch adds them in split order, so a row's additions are the same at any M.
+
+``M`` is never specialised (``do_not_specialize``): Triton compiles a variant for an integer
+argument equal to 1, and one row must run the code that 256 rows run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from splitserve.kernels.decode_attention import dot_precision
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+NUM_WARPS, NUM_STAGES = 4, 3
+TARGET_PROGRAMS = 128
+"""About one program per multiprocessor of an H100/H200 (132): the split-K fills the device at
+one row. A constant rather than the device's count, so that every GPU model splits alike."""
+MIN_K_TILES = 8
+"""The fewest K tiles a split keeps (below that the partials' traffic outweighs the gain)."""
+
+
+@triton.jit(do_not_specialize=["M"])
+def _invariant_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_out,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    row_ok, col_ok = rows < M, cols < N
+    depth = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * k_per_split
+    for k0 in range(first, first + k_per_split, BLOCK_K):
+        ks = k0 + depth
+        k_ok = ks < K
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_x + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + cols[None, :] * stride_w + ks[:, None],
+            mask=col_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if PARTIAL:  # [S, M, N] float32, summed by _sum_splits_kernel
+        at = (split * M + rows[:, None]) * N + cols[None, :]
+        tl.store(out_ptr + at, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        at = rows[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_out,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.load(part_ptr + row * N + cols, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + (split * M + row) * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def num_splits(n: int, k: int) -> int:
+    """The split-K count of an [N, K] weight: a power of two doubled while the programs of one
+    row tile stay within ``TARGET_PROGRAMS`` and each split keeps ``MIN_K_TILES`` K tiles. It
+    reads neither M nor the device."""
+    tiles, k_tiles = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K)
+    splits = 1
+    while tiles * splits * 2 <= TARGET_PROGRAMS and k_tiles // (splits * 2) >= MIN_K_TILES:
+        splits *= 2
+    return splits
+
+
+def invariant_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) -> [..., N] in x's dtype, every row batch-invariant."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k).contiguous()
+    m = flat.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    assert weight.stride(1) == 1
+    splits = num_splits(n, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, BLOCK_K), splits) * BLOCK_K
+    partial = splits > 1
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
+    _invariant_matmul_kernel[grid](
+        flat, weight, weight if bias is None else bias, target, m, n, k, k_per_split,
+        flat.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
+        PRECISION=dot_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if partial:
+        block = 1024
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](
+            target, weight if bias is None else bias, out, m, n, out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block,
+        )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
+
+
+def invariant_matmul_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The torch reference, in float32."""
+    out = x.float() @ weight.float().T
+    return out if bias is None else out + bias.float()
