@@ -7,6 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from splitserve.kernels import invariant_attention as invariant_attention_module
+from splitserve.kernels.decode_attention import paged_decode_attention_ref
+from splitserve.kernels.invariant_attention import invariant_attention, prefill_tiles
 from splitserve.kernels.invariant_matmul import (
     invariant_matmul,
     invariant_matmul_ref,
@@ -47,3 +50,68 @@ def test_invariant_matmul_split_count_reads_only_the_weight_shape() -> None:
     assert num_splits(4096, 4096) == 4  # Llama-3-8B o_proj: 32 column tiles x 4
     assert num_splits(4096, 14336) == 4
     assert num_splits(28672, 4096) == 1
+
+
+def _attend(
+    q: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    decodes: list[tuple[torch.Tensor, int]],
+    chunks: list[tuple[torch.Tensor, int, int]],
+) -> torch.Tensor:
+    """invariant_attention over decode rows (table, context length) then prompt chunks (table,
+    new tokens, context length); q holds their rows in that order."""
+    width = max(t.shape[0] for t, *_ in decodes + chunks)  # type: ignore[operator]
+    pad = [torch.nn.functional.pad(t, (0, width - t.shape[0])) for t, *_ in decodes + chunks]
+    tables = torch.stack(pad) if pad else torch.zeros(0, 1, dtype=torch.long)
+    segments, row = [], len(decodes)
+    for _, length, context in chunks:
+        segments.append((row, length, context))
+        row += length
+    tiles = prefill_tiles(segments, q.shape[1] // cache[0].shape[2], q.device)
+    lens = torch.tensor([n for _, n in decodes], dtype=torch.long)
+    d = len(decodes)
+    return invariant_attention(q, *cache, tables[:d], lens, tiles, tables[d:], q.shape[2] ** -0.5)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dtype"), [(8, 2, torch.float32), (6, 2, torch.float16)]
+)
+def test_invariant_attention_rows_equal_as_decode_prefill_cached_or_batched(
+    heads: int, kv_heads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Smaller key tiles and splits than on the GPU, for the interpreter's sake: 150 positions
+    # cross two split boundaries.
+    monkeypatch.setattr(invariant_attention_module, "BLOCK_N", 16)
+    monkeypatch.setattr(invariant_attention_module, "KV_SPLIT", 64)
+    torch.manual_seed(heads)
+    dim, block, length = 32, 16, 150
+    blocks = torch.randperm(24)
+    table = blocks[: -(-length // block)]
+    other = blocks[20:24]  # a second sequence of 50 tokens
+    cache = (torch.randn(24, block, kv_heads, dim, dtype=dtype),
+             torch.randn(24, block, kv_heads, dim, dtype=dtype))  # fmt: skip
+    q = torch.randn(length, heads, dim, dtype=dtype)
+    q_other = torch.randn(50, heads, dim, dtype=dtype)
+
+    whole = _attend(q, cache, [], [(table, length, length)])
+    rows = torch.arange(length)
+    ref = paged_decode_attention_ref(
+        q, *cache, table.expand(length, -1), rows + 1, dim**-0.5
+    )  # every row as a decode row of its own context
+    torch.testing.assert_close(whole.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+    # Chunked: the first 100 positions, then the rest over their cached prefix beside a decode
+    # row and another sequence's prompt.
+    first = _attend(q[:70], cache, [], [(table, 70, 70)])
+    mixed = torch.cat([q_other[49:50], q[70:], q_other[:30]])
+    second = _attend(mixed, cache, [(other, 50)], [(table, 80, length), (other, 30, 30)])
+    assert torch.equal(first, whole[:70])
+    assert torch.equal(second[1:81], whole[70:])
+
+    # Decode rows alone and batched give the prompt rows' bits.
+    picks = [0, 63, 64, 128, 149]
+    for p in picks:
+        alone = _attend(q[p : p + 1], cache, [(table, p + 1)], [])
+        assert torch.equal(alone[0], whole[p])
+    batched = _attend(q[picks], cache, [(table, p + 1) for p in picks], [])
+    assert torch.equal(batched, whole[picks])
