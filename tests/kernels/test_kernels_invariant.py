@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from splitserve import LLM, SamplingParams
+from splitserve.engine.layers.attention_backends import make_backend
+from splitserve.engine.layers.batch_invariant_kernels import make_kernels_invariant
+from splitserve.engine.layers.invariant_attention import InvariantAttention
+from splitserve.engine.models.registry import model_class
+from splitserve.engine.request import RequestOutput
+from splitserve.engine.shapes import shape_config
+from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.kernels import invariant_attention as invariant_attention_module
 from splitserve.kernels.decode_attention import paged_decode_attention_ref
+from splitserve.kernels.dispatch import set_kernels_on_cpu
 from splitserve.kernels.invariant_attention import invariant_attention, prefill_tiles
 from splitserve.kernels.invariant_matmul import (
     invariant_matmul,
@@ -115,3 +126,56 @@ def test_invariant_attention_rows_equal_as_decode_prefill_cached_or_batched(
         assert torch.equal(alone[0], whole[p])
     batched = _attend(q[picks], cache, [(table, p + 1) for p in picks], [])
     assert torch.equal(batched, whole[picks])
+
+
+def _bits(out: RequestOutput) -> list[tuple[int, list[tuple[int, float]]]]:
+    completion = out.outputs[0]
+    assert completion.logprobs is not None
+    return [
+        (token, sorted((t, e.logprob) for t, e in entries.items()))
+        for token, entries in zip(completion.token_ids, completion.logprobs)
+    ]
+
+
+def test_deterministic_engine_on_the_kernels_gives_a_probe_the_same_bits_anywhere() -> None:
+    """The whole wiring (``batch_invariant_kernels.py``) on tiny-llama through the interpreter:
+    a probe alone, then cached and chunked among other prompts, then beside drafts verified."""
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randint(3, 500, (32,), generator=gen).tolist()
+    others = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 20)]
+    greedy = SamplingParams(max_tokens=3, temperature=0, logprobs=1, ignore_eos=True)
+    common: dict[str, Any] = dict(
+        model="shape:tiny-llama", deterministic=True, attention_backend="triton",
+        block_size=16, max_model_len=128, num_kv_blocks=48,
+    )  # fmt: skip
+    set_kernels_on_cpu(True)
+    try:
+        llm = LLM(max_num_batched_tokens=24, **common)
+        assert type(llm.engine.runner.model.layers[0].self_attn.backend) is InvariantAttention
+        alone = llm.generate([probe], greedy, use_tqdm=False)[0]
+        cached = llm.generate([*others, probe], greedy, use_tqdm=False)[-1]
+        # A draft of the target's shape and seed is the target: every draft is accepted, and
+        # each verify step computes 3 + 1 rows of the probe.
+        spec = SpeculativeConfig("draft_model", 3, model="shape:tiny-llama", dynamic=False)
+        drafting = LLM(enable_prefix_caching=False, speculative=spec, **common)
+        drafted = drafting.generate([others[0], probe], greedy, use_tqdm=False)[-1]
+    finally:
+        set_kernels_on_cpu(False)
+    assert alone.num_cached_tokens == 0 and cached.num_cached_tokens > 0
+    assert _bits(cached) == _bits(alone)
+    assert _bits(drafted) == _bits(alone)
+    assert drafting.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_deterministic_mode_on_the_kernels_refuses_what_it_does_not_cover() -> None:
+    cfg = shape_config("tiny-mixtral")
+    backend = make_backend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        make_kernels_invariant(model_class(cfg)(cfg, backend))
+    cfg = shape_config("tiny-llama")
+    torch_backend = make_backend("torch", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    model = model_class(cfg)(cfg, torch_backend)
+    attn = model.layers[0].self_attn
+    attn.backend = attn.backend.configured(None, sliding_window=128)  # Gemma 3's local layers
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_kernels_invariant(model)
