@@ -9,8 +9,10 @@ another order at 1 row than at 64; the GEMV of one-row steps is another order ag
   MMA's output row depends only on its own input row (rows past M are zeros, which touch no
   other row);
 - the K loop in one order, and for parallelism at small M a split-K whose split count comes
-  from (N, K) alone (``num_splits``): each split's float32 partial sums go to ``[S, M, N]`` and
-  a second launch adds them in split order, so a row's additions are the same at any M.
+  from (N, K) alone (``num_splits``): each split's float32 sums are added in split order.
+  At small M each split is a program of its own, writing its partials to ``[S, M, N]`` for a
+  second launch to add; at large M a program runs its splits one after the other and adds
+  them the same way, in registers (no partials' traffic). Either way the same bits.
 
 ``M`` is never specialised (``do_not_specialize``): Triton compiles a variant for an integer
 argument equal to 1, and one row must run the code that 256 rows run.
@@ -33,38 +35,55 @@ MIN_K_TILES = 8
 """The fewest K tiles a split keeps (below that the partials' traffic outweighs the gain)."""
 
 
-@triton.jit(do_not_specialize=["M"])
-def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_out,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+@triton.jit
+def _split_product(
+    x_ptr, w_ptr, rows, cols, K, first, k_per_split, stride_x, stride_w,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    row_ok, col_ok = rows < M, cols < N
+    """The float32 sums of one split's K range [first, first + k_per_split), in K order."""
     depth = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = split * k_per_split
     for k0 in range(first, first + k_per_split, BLOCK_K):
         ks = k0 + depth
         k_ok = ks < K
-        a = tl.load(
-            x_ptr + rows[:, None] * stride_x + ks[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + cols[None, :] * stride_w + ks[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
+        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _invariant_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_out,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
     mask = row_ok[:, None] & col_ok[None, :]
-    if PARTIAL:  # [S, M, N] float32, summed by _sum_splits_kernel
-        at = (split * M + rows[:, None]) * N + cols[None, :]
-        tl.store(out_ptr + at, acc, mask=mask)
-    else:
+    # Rows past M and columns past N read row 0 and column 0: they are never stored, and an
+    # MMA's output row depends on its own input row only.
+    safe_rows, safe_cols = tl.where(row_ok, rows, 0), tl.where(col_ok, cols, 0)
+    if PARTIAL:  # one split per program, into [S, M, N] float32 (summed by _sum_splits_kernel)
+        split = tl.program_id(2)
+        acc = _split_product(
+            x_ptr, w_ptr, safe_rows, safe_cols, K, split * k_per_split, k_per_split,
+            stride_x, stride_w, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
+    else:  # every split in turn, added in split order as _sum_splits_kernel adds them
+        acc = _split_product(
+            x_ptr, w_ptr, safe_rows, safe_cols, K, 0, k_per_split,
+            stride_x, stride_w, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        for split in tl.static_range(1, SPLITS):
+            acc += _split_product(
+                x_ptr, w_ptr, safe_rows, safe_cols, K, split * k_per_split, k_per_split,
+                stride_x, stride_w, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         at = rows[:, None] * stride_out + cols[None, :]
@@ -99,9 +118,17 @@ def num_splits(n: int, k: int) -> int:
 
 
 def invariant_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    parallel_splits: bool | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) -> [..., N] in x's dtype, every row batch-invariant."""
+    """x [..., K] @ weight[N, K].T (+ bias) -> [..., N] in x's dtype, every row batch-invariant.
+
+    parallel_splits: the splits of a weight with several run as programs of their own, their
+    partials summed by a second launch (small M: fills the device), or one after the other in
+    each program (large M: no partials to write); the same bits either way. None: chosen by M.
+    """
     n, k = weight.shape
     flat = x.reshape(-1, k).contiguous()
     m = flat.shape[0]
@@ -111,20 +138,23 @@ def invariant_matmul(
     assert weight.stride(1) == 1
     splits = num_splits(n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, BLOCK_K), splits) * BLOCK_K
-    partial = splits > 1
+    tiles = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    if parallel_splits is None:
+        parallel_splits = tiles[0] * tiles[1] < TARGET_PROGRAMS
+    partial = splits > 1 and parallel_splits
     target = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
-    _invariant_matmul_kernel[grid](
-        flat, weight, weight if bias is None else bias, target, m, n, k, k_per_split,
+    bias_arg = weight if bias is None else bias
+    _invariant_matmul_kernel[(*tiles, splits if partial else 1)](
+        flat, weight, bias_arg, target, m, n, k, k_per_split,
         flat.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
+        SPLITS=splits, HAS_BIAS=bias is not None, PARTIAL=partial,
         PRECISION=dot_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if partial:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](
-            target, weight if bias is None else bias, out, m, n, out.stride(0),
+            target, bias_arg, out, m, n, out.stride(0),
             SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

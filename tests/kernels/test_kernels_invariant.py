@@ -53,6 +53,8 @@ def test_invariant_matmul_rows_equal_alone_and_batched(
     for row in (0, 37, 69):
         assert torch.equal(invariant_matmul(x[row : row + 1], weight, b)[0], full[row])
     assert torch.equal(invariant_matmul(x[5:40], weight, b), full[5:40])
+    for parallel in (False, True):  # the splits as programs of their own or in turn
+        assert torch.equal(invariant_matmul(x, weight, b, parallel_splits=parallel), full)
 
 
 def test_invariant_matmul_split_count_reads_only_the_weight_shape() -> None:
