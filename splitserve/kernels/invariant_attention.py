@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
 from splitserve.kernels.decode_attention import dot_precision
 
 BLOCK_M = 64
@@ -63,8 +64,10 @@ def _invariant_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    KV_SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     # The tile: its first row in q, its first position, how many positions, its block table.
@@ -175,6 +178,6 @@ def invariant_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, PAD_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-        PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS,
+        PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_kwargs(q),
     )  # fmt: skip
     return out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import pdl
 from splitserve.kernels.decode_attention import dot_precision
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
@@ -58,8 +59,10 @@ def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_out,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -93,8 +96,10 @@ def _invariant_matmul_kernel(
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, stride_out,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -149,13 +154,13 @@ def invariant_matmul(
         flat.stride(0), weight.stride(0), out.stride(0),
         SPLITS=splits, HAS_BIAS=bias is not None, PARTIAL=partial,
         PRECISION=dot_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl.launch_kwargs(x),
     )  # fmt: skip
     if partial:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](
             target, bias_arg, out, m, n, out.stride(0),
-            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block,
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, **pdl.launch_kwargs(x),
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
