@@ -167,9 +167,12 @@ class EngineConfig:
             self.attention_backend == "torch"
             or self.quantization is not None
             or self.kv_cache_dtype != "auto"
+            or self.expert_parallel_size > 1
         ):
             raise ValueError(
-                "deterministic on CUDA needs the Triton attention backend and no FP8 (weights "
-                f"or KV cache), not attention_backend={self.attention_backend!r} "
-                f"quantization={self.quantization!r} kv_cache_dtype={self.kv_cache_dtype!r}"
+                "deterministic on CUDA needs the Triton attention backend, no FP8 (weights or "
+                "KV cache) and no expert parallelism, not "
+                f"attention_backend={self.attention_backend!r} quantization="
+                f"{self.quantization!r} kv_cache_dtype={self.kv_cache_dtype!r} "
+                f"expert_parallel_size={self.expert_parallel_size}"
             )

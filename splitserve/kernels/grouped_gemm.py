@@ -142,6 +142,11 @@ def choose_tiles(num_rows: int, num_experts: int, k: int) -> GemmTiles:
     return GemmTiles(block_m, 64, 128, num_stages=4)
 
 
+INVARIANT_TILES = GemmTiles(64, 64, 128, num_stages=4)
+"""Deterministic mode's tiling at every row count (``choose_tiles`` picks BLOCK_M by the rows
+routed, and an MMA's sums may differ between tile heights): the prefill tile, no split-K."""
+
+
 def grouped_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,

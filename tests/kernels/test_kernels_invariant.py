@@ -13,6 +13,9 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.layers.attention_backends import make_backend
 from splitserve.engine.layers.batch_invariant_kernels import make_kernels_invariant
 from splitserve.engine.layers.invariant_attention import InvariantAttention
+from splitserve.engine.layers.moe import SparseMoE
+from splitserve.engine.layers.norm import RMSNorm
+from splitserve.engine.model_config import MoEConfig
 from splitserve.engine.models.registry import model_class
 from splitserve.engine.request import RequestOutput
 from splitserve.engine.shapes import shape_config
@@ -169,11 +172,35 @@ def test_deterministic_engine_on_the_kernels_gives_a_probe_the_same_bits_anywher
     assert drafting.engine.stats().spec_num_accepted_tokens > 0
 
 
+def test_invariant_moe_layer_rows_equal_alone_and_batched() -> None:
+    """Fixed grouped-GEMM tiles and the ordered combine: 70 tokens (140 pairs: torch's
+    permutation, past the kernels') and one token (the permute kernel) give a token the same
+    bits; the default tiles are checked against the torch code elsewhere."""
+    torch.manual_seed(0)
+    moe = SparseMoE(32, MoEConfig(num_experts=6, top_k=2, intermediate_size=24, renormalize=True))
+    moe.invariant = True
+    norm = RMSNorm(32, 1e-6)
+    x, residual = torch.randn(70, 32), torch.randn(70, 32)
+    set_kernels_on_cpu(True)
+    try:
+        with torch.no_grad():
+            full = moe(x, residual, norm)[0]
+            alone = [moe(x[i : i + 1], residual[i : i + 1], norm)[0][0] for i in (0, 33, 69)]
+            part = moe(x[10:30], residual[10:30], norm)[0]
+    finally:
+        set_kernels_on_cpu(False)
+    assert all(torch.equal(row, full[i]) for row, i in zip(alone, (0, 33, 69)))
+    assert torch.equal(part, full[10:30])
+    with torch.no_grad():
+        torch.testing.assert_close(full, moe(x, residual, norm)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_deterministic_mode_on_the_kernels_refuses_what_it_does_not_cover() -> None:
     cfg = shape_config("tiny-mixtral")
     backend = make_backend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    with pytest.raises(ValueError, match="mixtures of experts"):
-        make_kernels_invariant(model_class(cfg)(cfg, backend))
+    mixtral = model_class(cfg)(cfg, backend)
+    make_kernels_invariant(mixtral)
+    assert all(m.invariant for m in mixtral.modules() if isinstance(m, SparseMoE))
     cfg = shape_config("tiny-llama")
     torch_backend = make_backend("torch", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     model = model_class(cfg)(cfg, torch_backend)

@@ -10,13 +10,19 @@ What chose its reduction order by the step, and what this mode takes instead:
   kernels (``layers/linear.py``);
 - attention: the decode kernel split the context by the batch size, the fused decode kernel
   had its own rotary, and prompt chunks took the prefill kernel (another order, fresh keys
-  from registers). Here every row takes ``InvariantAttention``.
+  from registers). Here every row takes ``InvariantAttention``;
+- mixtures of experts (``SparseMoE``: Mixtral, Qwen3-MoE): the grouped GEMM chose its tile
+  height by the rows routed, and the combine summed a token's experts by a reduction tree in
+  small steps and by torch in large ones. Here the router's gate is an ``nn.Linear`` like the
+  others, the grouped GEMM takes ``INVARIANT_TILES`` and the combine ``ordered_combine`` (a
+  token's experts added in slot order) at every step.
 
 RMSNorm (a program a row, its width from the hidden size), SiLU-and-mul, rotary with the K/V
 write, the embedding lookup and the greedy argmax (fixed chunks of the vocabulary) were per
 row already. Sampling draws on the host from (seed, token index) (``engine/sampler.py``).
 ``make_kernels_invariant`` refuses what it cannot make invariant yet: sliding-window layers,
-latent attention, mixtures of experts.
+latent attention, MoE layers of other kinds (DeepSeek's shared experts) or spread over
+expert-parallel ranks.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from splitserve.engine.layers.moe import SparseMoE
 
 def make_kernels_invariant(model: nn.Module) -> None:
     """Gives every projection of a model on the Triton kernels its batch-invariant product and
-    every attention layer ``InvariantAttention``; ValueError for a model with a part that has
-    none yet."""
+    every attention layer ``InvariantAttention``, every MoE layer its fixed tiles and combine
+    order; ValueError for a model with a part that has none yet."""
     from splitserve.engine.layers.invariant_attention import InvariantAttention  # Triton: optional
 
     layers: list[Any] = list(getattr(model, "layers", []))
@@ -47,8 +53,13 @@ def make_kernels_invariant(model: nn.Module) -> None:
             raise ValueError(
                 f"deterministic mode covers grouped-query attention only ({type(model).__name__})"
             )
-        if any(isinstance(m, SparseMoE) for m in layer.modules()):
-            raise ValueError("deterministic mode on the GPU does not cover mixtures of experts yet")
+        for moe in (m for m in layer.modules() if isinstance(m, SparseMoE)):
+            if type(moe) is not SparseMoE or moe.ep is not None:
+                raise ValueError(
+                    f"deterministic mode covers plain MoE layers on one device only, not "
+                    f"{type(moe).__name__} (expert parallel: {moe.ep is not None})"
+                )
+            moe.invariant = True
         if id(backend) not in replaced:
             replaced[id(backend)] = InvariantAttention.replacing(backend)
         attn.backend = replaced[id(backend)]
