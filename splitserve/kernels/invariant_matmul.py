@@ -38,7 +38,7 @@ MIN_K_TILES = 8
 
 @triton.jit
 def _split_product(
-    x_ptr, w_ptr, rows, cols, K, first, k_per_split, stride_x, stride_w,
+    x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, first, k_per_split, stride_x, stride_w,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -48,8 +48,10 @@ def _split_product(
     for k0 in range(first, first + k_per_split, BLOCK_K):
         ks = k0 + depth
         k_ok = ks < K
-        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=k_ok[:, None], other=0.0)
+        a_mask = row_ok[:, None] & k_ok[None, :]  # rows past M are zeros: no other row changes
+        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=a_mask, other=0.0)
+        b_mask = col_ok[None, :] & k_ok[:, None]
+        b = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -67,24 +69,21 @@ def _invariant_matmul_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     mask = row_ok[:, None] & col_ok[None, :]
-    # Rows past M and columns past N read row 0 and column 0: they are never stored, and an
-    # MMA's output row depends on its own input row only.
-    safe_rows, safe_cols = tl.where(row_ok, rows, 0), tl.where(col_ok, cols, 0)
     if PARTIAL:  # one split per program, into [S, M, N] float32 (summed by _sum_splits_kernel)
         split = tl.program_id(2)
         acc = _split_product(
-            x_ptr, w_ptr, safe_rows, safe_cols, K, split * k_per_split, k_per_split,
+            x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, split * k_per_split, k_per_split,
             stride_x, stride_w, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
     else:  # every split in turn, added in split order as _sum_splits_kernel adds them
         acc = _split_product(
-            x_ptr, w_ptr, safe_rows, safe_cols, K, 0, k_per_split,
+            x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, 0, k_per_split,
             stride_x, stride_w, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         for split in tl.static_range(1, SPLITS):
             acc += _split_product(
-                x_ptr, w_ptr, safe_rows, safe_cols, K, split * k_per_split, k_per_split,
+                x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, split * k_per_split, k_per_split,
                 stride_x, stride_w, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if HAS_BIAS:
