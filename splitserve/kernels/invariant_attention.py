@@ -36,7 +36,7 @@ BLOCK_N = 64
 """Keys per tile."""
 KV_SPLIT = 512
 """Keys per split: a constant, never derived from the batch or the context."""
-NUM_WARPS = 4
+NUM_WARPS = 8
 LOG2E = 1.4426950408889634
 
 
