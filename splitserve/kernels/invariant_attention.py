@@ -140,9 +140,14 @@ def prefill_tiles(
         for index, (start, length, context) in enumerate(segments)
         for j in range(0, length, per_tile)
     ]
-    columns = list(zip(*tiles)) if tiles else [(), (), (), ()]
-    flat = torch.tensor(columns, dtype=torch.int32).reshape(4, -1)
-    return tuple(flat.to(device, non_blocking=True).unbind(0))
+    count = len(tiles)
+    # Each column starts 16-byte aligned whatever the count: Triton specialises a pointer on
+    # its alignment, and one compiled variant serves every step.
+    flat = torch.zeros(4, -(-count // 4) * 4, dtype=torch.int32)
+    if tiles:
+        flat[:, :count] = torch.tensor(tiles, dtype=torch.int32).T
+    on_device = flat.to(device, non_blocking=True)
+    return tuple(on_device[i, :count] for i in range(4))
 
 
 def invariant_attention(
