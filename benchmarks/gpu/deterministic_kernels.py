@@ -121,7 +121,7 @@ def check_attention(
 
     def attend(
         rows: torch.Tensor, decodes: list[tuple[torch.Tensor, int]],
-        chunks: list[tuple[torch.Tensor, int, int]],
+        chunks: list[tuple[torch.Tensor, int, int]], parallel: bool | None = None,
     ) -> torch.Tensor:  # fmt: skip
         seqs = [t for t, *_ in decodes + chunks]  # type: ignore[misc]
         width = max(t.shape[0] for t in seqs)
@@ -135,7 +135,7 @@ def check_attention(
         d = len(decodes)
         prompt_tables = tables[d:] if chunks else torch.zeros(0, 1, dtype=torch.long, device=device)
         return invariant_attention(rows, *cache, tables[:d], lens, tiles,
-                                   prompt_tables, scale)  # fmt: skip
+                                   prompt_tables, scale, parallel)  # fmt: skip
 
     whole = attend(q, [], [(table, length, length)])
     cut = length // 3
@@ -143,8 +143,13 @@ def check_attention(
     mixed = torch.cat([q_other[99:100], q[cut:], q_other[:60]])
     second = attend(mixed, [(other, 100)], [(table, length - cut, length), (other, 60, 60)])
     picks = sorted({p for p in (0, 1, 63, 511, 512, 1023, 1024) if p < length} | {length - 1})
-    alone = [torch.equal(attend(q[p : p + 1], [(table, p + 1)], [])[0], whole[p]) for p in picks]
+    alone = [
+        torch.equal(attend(q[p : p + 1], [(table, p + 1)], [], parallel)[0], whole[p])
+        for p in picks
+        for parallel in (True, False)  # splits as programs, or in turn
+    ]
     batched = attend(q[picks], [(table, p + 1) for p in picks], [])
+    in_turn = attend(q[picks], [(table, p + 1) for p in picks], [], False)
     ref = paged_decode_attention_ref(
         q[picks], *cache, table.expand(len(picks), -1),
         torch.tensor(picks, device=device) + 1, scale,
@@ -155,7 +160,8 @@ def check_attention(
     report: dict[str, Any] = {
         "heads": heads, "kv_heads": kv_heads, "dim": dim, "length": length,
         "chunked_equal": chunked, "decode_alone_equal": all(alone),
-        "decode_batched_equal": torch.equal(batched, whole[picks]),
+        "decode_batched_equal": torch.equal(batched, whole[picks])
+        and torch.equal(in_turn, whole[picks]),
         "rel_err_vs_float32": rel_err(batched, ref),
     }  # fmt: skip
     report["ok"] = (

@@ -93,6 +93,33 @@ def main() -> None:
             BLOCK_N=attention.BLOCK_N, KV_SPLIT=attention.KV_SPLIT, PRECISION="tf32",
             PDL=True, num_warps=attention.NUM_WARPS,
         ))  # fmt: skip
+    split = (
+        dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16")
+        | dict.fromkeys(["part_m", "part_sum", "part_acc"], "*fp32")
+        | {"dec_tables": "*i64", "dec_lens": "*i64", "dec_stride": "i32", "num_decode": "i32"}
+    )
+    split |= {name: attn[name] for name in ("stride_qt", "stride_qh", "stride_kb", "stride_ks",
+                                            "stride_kh", "scale")}  # fmt: skip
+    split |= dict.fromkeys(
+        ["HEADS", "GROUP", "HEAD_DIM", "PAD_D", "BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "KV_SPLIT",
+         "PRECISION", "PDL"], "constexpr",
+    )  # fmt: skip
+    shapes = dict(GROUP=4, HEAD_DIM=128, PAD_D=128, BLOCK_M=attention.BLOCK_M,
+                  KV_SPLIT=attention.KV_SPLIT, PDL=True, num_warps=attention.NUM_WARPS)  # fmt: skip
+    print(compile_variant(
+        "decode split group=4 dim=128", attention._decode_split_kernel, split, HEADS=32,
+        BLOCK_SIZE=16, BLOCK_N=attention.BLOCK_N, PRECISION="tf32", **shapes,
+    ))  # fmt: skip
+    merge = dict.fromkeys(["part_m", "part_sum", "part_acc"], "*fp32") | {
+        "out_ptr": "*bf16", "dec_lens": "*i64", "num_decode": "i32", "stride_ot": "i32",
+        "stride_oh": "i32",
+    }  # fmt: skip
+    merge |= dict.fromkeys(
+        ["HEADS", "GROUP", "HEAD_DIM", "PAD_D", "BLOCK_M", "KV_SPLIT", "PDL"], "constexpr"
+    )
+    print(compile_variant(
+        "decode merge group=4 dim=128", attention._decode_merge_kernel, merge, HEADS=32, **shapes
+    ))  # fmt: skip
     combine = {"rows_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16",
                "hidden": "i32", "TOP_K": "constexpr", "BLOCK_H": "constexpr"}  # fmt: skip
     print(compile_variant("ordered combine top_k=8", moe_route._ordered_combine_kernel,

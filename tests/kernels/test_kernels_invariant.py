@@ -73,6 +73,7 @@ def _attend(
     cache: tuple[torch.Tensor, torch.Tensor],
     decodes: list[tuple[torch.Tensor, int]],
     chunks: list[tuple[torch.Tensor, int, int]],
+    parallel: bool | None = None,
 ) -> torch.Tensor:
     """invariant_attention over decode rows (table, context length) then prompt chunks (table,
     new tokens, context length); q holds their rows in that order."""
@@ -86,7 +87,8 @@ def _attend(
     tiles = prefill_tiles(segments, q.shape[1] // cache[0].shape[2], q.device)
     lens = torch.tensor([n for _, n in decodes], dtype=torch.long)
     d = len(decodes)
-    return invariant_attention(q, *cache, tables[:d], lens, tiles, tables[d:], q.shape[2] ** -0.5)
+    scale = q.shape[2] ** -0.5
+    return invariant_attention(q, *cache, tables[:d], lens, tiles, tables[d:], scale, parallel)
 
 
 @pytest.mark.parametrize(
@@ -124,13 +126,15 @@ def test_invariant_attention_rows_equal_as_decode_prefill_cached_or_batched(
     assert torch.equal(first, whole[:70])
     assert torch.equal(second[1:81], whole[70:])
 
-    # Decode rows alone and batched give the prompt rows' bits.
+    # Decode rows alone and batched give the prompt rows' bits, their splits run as programs
+    # of their own and merged by a second launch, or in turn in one program.
     picks = [0, 63, 64, 128, 149]
-    for p in picks:
-        alone = _attend(q[p : p + 1], cache, [(table, p + 1)], [])
-        assert torch.equal(alone[0], whole[p])
-    batched = _attend(q[picks], cache, [(table, p + 1) for p in picks], [])
-    assert torch.equal(batched, whole[picks])
+    for parallel in (True, False):
+        for p in picks:
+            alone = _attend(q[p : p + 1], cache, [(table, p + 1)], [], parallel)
+            assert torch.equal(alone[0], whole[p])
+        batched = _attend(q[picks], cache, [(table, p + 1) for p in picks], [], parallel)
+        assert torch.equal(batched, whole[picks])
 
 
 def _bits(out: RequestOutput) -> list[tuple[int, list[tuple[int, float]]]]:
