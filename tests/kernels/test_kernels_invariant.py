@@ -146,9 +146,14 @@ def _bits(out: RequestOutput) -> list[tuple[int, list[tuple[int, float]]]]:
     ]
 
 
-def test_deterministic_engine_on_the_kernels_gives_a_probe_the_same_bits_anywhere() -> None:
+def test_deterministic_engine_on_the_kernels_gives_a_probe_the_same_bits_anywhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The whole wiring (``batch_invariant_kernels.py``) on tiny-llama through the interpreter:
-    a probe alone, then cached and chunked among other prompts, then beside drafts verified."""
+    a probe alone, then cached and chunked among other prompts, then beside drafts verified.
+    Splits of 16 keys: a prompt row merges up to three in a program."""
+    monkeypatch.setattr(invariant_attention_module, "BLOCK_N", 16)
+    monkeypatch.setattr(invariant_attention_module, "KV_SPLIT", 16)
     gen = torch.Generator().manual_seed(0)
     probe = torch.randint(3, 500, (32,), generator=gen).tolist()
     others = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 20)]
@@ -164,7 +169,9 @@ def test_deterministic_engine_on_the_kernels_gives_a_probe_the_same_bits_anywher
         alone = llm.generate([probe], greedy, use_tqdm=False)[0]
         cached = llm.generate([*others, probe], greedy, use_tqdm=False)[-1]
         # A draft of the target's shape and seed is the target: every draft is accepted, and
-        # each verify step computes 3 + 1 rows of the probe.
+        # each verify step computes 3 + 1 rows of the probe; their splits in turn, where the
+        # runs above ran a decode row's as programs of their own.
+        monkeypatch.setattr(invariant_attention_module, "TARGET_PROGRAMS", 0)
         spec = SpeculativeConfig("draft_model", 3, model="shape:tiny-llama", dynamic=False)
         drafting = LLM(enable_prefix_caching=False, speculative=spec, **common)
         drafted = drafting.generate([others[0], probe], greedy, use_tqdm=False)[-1]
