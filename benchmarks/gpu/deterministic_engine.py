@@ -29,14 +29,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 Bits = list[tuple[int, list[tuple[int, float]]]]
+T = TypeVar("T")
 
 
 def bits(out: Any) -> Bits:
@@ -48,8 +48,9 @@ def bits(out: Any) -> Bits:
     ]
 
 
-@contextmanager
-def engine(args: argparse.Namespace, **overrides: Any) -> Iterator[Any]:
+def with_engine(args: argparse.Namespace, work: Callable[[Any], T], **overrides: Any) -> T:
+    """work(a deterministic LLM of args' model with overrides), the LLM freed afterwards (its
+    weights and KV pool given back to the device before the next one is built)."""
     from splitserve.engine.llm import LLM
 
     settings: dict[str, Any] = dict(
@@ -60,7 +61,7 @@ def engine(args: argparse.Namespace, **overrides: Any) -> Iterator[Any]:
         settings.update(attention_backend="triton", num_kv_blocks=256)
     llm = LLM(args.model, **(settings | overrides))
     try:
-        yield llm
+        return work(llm)
     finally:
         del llm
         gc.collect()
@@ -101,9 +102,10 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     )
     sizes = batch_sizes(args.max_others)
     report: dict[str, Any] = {}
-    with engine(args, max_num_batched_tokens=args.chunk) as llm:
+    start = time.perf_counter()
+
+    def chunks(llm: Any) -> tuple[list[int], list[list[int]], Bits, Bits]:
         probe, others = prompts(args, llm.engine.model_config.vocab_size)
-        start = time.perf_counter()
         alone = llm.generate([probe], greedy, use_tqdm=False)[0]
         reference = bits(alone)
         seeded_alone = bits(llm.generate([probe], seeded, use_tqdm=False)[0])
@@ -119,35 +121,40 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             "seeded": [{"others": n, "equal": bits(o) == seeded_alone} for n, o in seeded_runs],
             "seconds": time.perf_counter() - start,
         }
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "dynamic": False}
-    with engine(
-        args, max_num_batched_tokens=64, enable_prefix_caching=False, speculative_config=ngram
-    ) as llm:
-        start = time.perf_counter()
+        return probe, others, reference, seeded_alone
+
+    probe, others, reference, seeded_alone = with_engine(
+        args, chunks, max_num_batched_tokens=args.chunk
+    )
+
+    def speculative(llm: Any, with_seeds: bool) -> dict[str, Any]:
+        begin = time.perf_counter()
         runs = [(0, llm.generate([probe], greedy, use_tqdm=False)[0])]
         runs += probe_runs(llm, probe, others, sizes[:2], greedy)
-        seeded_runs = probe_runs(llm, probe, others, sizes[:2], seeded)
-        report["small_chunks_ngram"] = {
-            "chunk": 64,
-            "greedy": [{"others": n, "equal": bits(o) == reference} for n, o in runs],
-            "seeded": [{"others": n, "equal": bits(o) == seeded_alone} for n, o in seeded_runs],
-            **spec_counters(llm),
-            "seconds": time.perf_counter() - start,
+        part: dict[str, Any] = {
+            "greedy": [{"others": n, "equal": bits(o) == reference} for n, o in runs]
         }
+        if with_seeds:
+            seeded_runs = probe_runs(llm, probe, others, sizes[:2], seeded)
+            part["seeded"] = [
+                {"others": n, "equal": bits(o) == seeded_alone} for n, o in seeded_runs
+            ]
+        return part | spec_counters(llm) | {"seconds": time.perf_counter() - begin}
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "dynamic": False}
+    report["small_chunks_ngram"] = with_engine(
+        args, lambda llm: speculative(llm, True), max_num_batched_tokens=64,
+        enable_prefix_caching=False, speculative_config=ngram,
+    )  # fmt: skip
+    report["small_chunks_ngram"]["chunk"] = 64
     if args.draft_model:
         # The target's shape and seed as its own draft: every draft is accepted, so every
         # decode step verifies k + 1 rows.
         draft = {"method": "draft_model", "model": args.model, "num_speculative_tokens": 4,
                  "dynamic": False}  # fmt: skip
-        with engine(args, speculative_config=draft) as llm:
-            start = time.perf_counter()
-            runs = [(0, llm.generate([probe], greedy, use_tqdm=False)[0])]
-            runs += probe_runs(llm, probe, others, sizes[:2], greedy)
-            report["draft_model"] = {
-                "greedy": [{"others": n, "equal": bits(o) == reference} for n, o in runs],
-                **spec_counters(llm),
-                "seconds": time.perf_counter() - start,
-            }
+        report["draft_model"] = with_engine(
+            args, lambda llm: speculative(llm, False), speculative_config=draft
+        )
     report["probe_tokens"] = [token for token, _ in reference]
     return report
 
