@@ -37,7 +37,7 @@ from splitserve.kernels.fp8_quant import (
     quantize_blocks,
     quantize_groups,
 )
-from splitserve.kernels.grouped_gemm import fp8_gemm
+from splitserve.kernels.grouped_gemm import GemmTiles, fp8_gemm
 
 PROJECTIONS = {
     "qkv": (6144, 4096),
@@ -108,12 +108,68 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
     return result
 
 
+def sweep_tiles(rows: int) -> list[GemmTiles]:
+    """The tilings tried at a row count: 16-row tiles with split-K for decode, 64/128-row
+    tiles for prefill."""
+    if rows <= 64:
+        return [
+            GemmTiles(16 if rows <= 16 else 64, bn, 128, split, warps, stages)
+            for bn in (32, 64, 128)
+            for split in (1, 2, 4, 8)
+            for warps in (4,)
+            for stages in (3, 4)
+        ]
+    return [
+        GemmTiles(bm, bn, 128, 1, warps, stages)
+        for bm in (64, 128)
+        for bn in (64, 128, 256)
+        for warps in (4, 8)
+        for stages in (3, 4)
+        if bm * bn <= 128 * 128
+    ]
+
+
+def sweep(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str, Any]:
+    """The kernel's time at each tiling of ``sweep_tiles`` (activations already quantized)."""
+    dtype = torch.bfloat16
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    weight = quantize_blocks(w)
+    x_fp8, x_scale = quantize_groups(x)
+    ref = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
+    timings = []
+    for t in sweep_tiles(rows):
+        try:
+            out = fp8_gemm(x_fp8, x_scale, weight, torch.float32, t)
+            err = ((out - ref).abs() / (1 + ref.abs())).max().item()
+            us = time_us(lambda t=t: fp8_gemm(x_fp8, x_scale, weight, dtype, t), device)
+        except Exception as exc:  # a tiling past the shared memory: recorded, not fatal
+            timings.append({"tiles": str(t), "error": str(exc)[:120]})
+            continue
+        timings.append({"tiles": str(t), "us": us, "max_err": err})
+    ok = [t for t in timings if "us" in t]
+    best = min(ok, key=lambda t: t["us"]) if ok else None
+    bf16 = time_us(lambda: F.linear(x, w), device)
+    return {"gemm": name, "n": n, "k": k, "rows": rows, "bf16_us": bf16, "best": best,
+            "timings": timings}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny shapes (an interpreter run)")
+    parser.add_argument("--sweep", action="store_true", help="also time a sweep of tilings")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.sweep:
+        sweeps = []
+        for name in ("o", "gate_up"):
+            for m in ROWS:
+                sweeps.append(sweep(name, *PROJECTIONS[name], m, device))
+                print(json.dumps({k: v for k, v in sweeps[-1].items() if k != "timings"}))
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "fp8_gemm_sweep.json"), "w") as f:
+                json.dump({"commit": git_commit(), "sweeps": sweeps}, f, indent=1)
     projections, rows = SMALL if args.small else (PROJECTIONS, ROWS)
     results = []
     for name, (n, k) in projections.items():
