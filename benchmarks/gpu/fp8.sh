@@ -12,8 +12,8 @@ bench() { step timeout "${LIMIT:-240}" "$PY" -m splitserve.cli bench offline --d
 for part in $PARTS; do
     case $part in
     kernels)
-        step "$PY" -m benchmarks.kernels.fp8_gemm
-        [ "${SWEEP:-0}" = 1 ] && step "$PY" -m benchmarks.kernels.fp8_gemm --sweep ;;
+        [ "${SWEEP:-0}" = 1 ] || step "$PY" -m benchmarks.kernels.fp8_gemm
+        if [ "${SWEEP:-0}" = 1 ]; then step "$PY" -m benchmarks.kernels.fp8_gemm --sweep; fi ;;
     llama)
         for q in "" "--quantization fp8"; do
             bench --shape llama3-8b --batch-sizes 1,64 --input-len 1024 --output-len 64 \

@@ -38,7 +38,7 @@ def _grouped_gemm_kernel(
     stride_xs, stride_wse, stride_wsn,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, PRECISION: tl.constexpr, E_PAD: tl.constexpr,
-    SCALED: tl.constexpr, GROUP: tl.constexpr,
+    SCALED: tl.constexpr, GROUP: tl.constexpr, A_SCALED: tl.constexpr,
 ):  # fmt: skip
     # This program's tile -> (expert, first row), from the offsets (``tile_schedule``'s rule,
     # computed here: a schedule made by separate launches cost more than a decode GEMM).
@@ -79,13 +79,17 @@ def _grouped_gemm_kernel(
         )
         if SCALED:  # one group of K: its FP8 dot times the rows' and columns' scales
             group = (k_begin + k0) // GROUP
-            a_scale = tl.load(xs_ptr + in_rows.to(tl.int64) * stride_xs + group, mask=row_mask)
             w_scale = tl.load(
                 ws_ptr + expert.to(tl.int64) * stride_wse + (cols // GROUP) * stride_wsn + group,
                 mask=col_mask,
             )
-            part = tl.dot(a, w, out_dtype=tl.float32)
-            acc += part * a_scale[:, None] * w_scale[None, :]
+            if A_SCALED:
+                a_scale = tl.load(xs_ptr + in_rows.to(tl.int64) * stride_xs + group, mask=row_mask)
+                part = tl.dot(a, w, out_dtype=tl.float32)
+                acc += part * a_scale[:, None] * w_scale[None, :]
+            else:  # rows in their own dtype, the e4m3 weights widened to it (exactly)
+                part = tl.dot(a, w.to(a.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+                acc += part * w_scale[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -157,7 +161,7 @@ def grouped_gemm(
 
 def fp8_grouped_gemm(
     x: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     weight: BlockFp8,
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
@@ -166,7 +170,11 @@ def fp8_grouped_gemm(
 ) -> torch.Tensor:
     """``grouped_gemm`` in FP8: x [T, K] e4m3 with x_scale [T, ceil(K / 128)] float32,
     weight's data [E, N, K] e4m3 with its scale [E, ceil(N / 128), ceil(K / 128)]; the
-    result in out_dtype. tiles.block_k must divide 128."""
+    result in out_dtype. tiles.block_k must divide 128.
+
+    x_scale None: x stays in its float dtype (W8A16) and the products are taken in it, the
+    weights widened exactly (for few rows, where reading the weights is the bound and the
+    activations' quantization would be a launch for nothing)."""
     t = tiles or choose_tiles(x.shape[0] if rows is None else rows.numel(), *weight.data.shape[::2])
     assert BLOCK % t.block_k == 0, "a K step must stay inside one scale group"
     return _launch(x, weight.data, offsets, rows, t, out_dtype, (x_scale, weight.scale))
@@ -174,13 +182,14 @@ def fp8_grouped_gemm(
 
 def fp8_gemm(
     x: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     weight: BlockFp8,
     out_dtype: torch.dtype,
     tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
-    """A dense FP8 projection: x [M, K] e4m3 (scales [M, ceil(K / 128)]) times weight's data
-    [N, K] (block scales): the grouped launch with one expert."""
+    """A dense FP8 projection: x [M, K] e4m3 (scales [M, ceil(K / 128)]; or x in its float
+    dtype and x_scale None) times weight's data [N, K] (block scales): the grouped launch
+    with one expert."""
     one = BlockFp8(weight.data.unsqueeze(0), weight.scale.unsqueeze(0))
     offsets = torch.arange(2, device=x.device) * x.shape[0]  # no host copy: graph-safe
     return fp8_grouped_gemm(x, x_scale, one, offsets, out_dtype, None, tiles)
@@ -193,7 +202,7 @@ def _launch(
     rows: torch.Tensor | None,
     tiles: GemmTiles | None,
     out_dtype: torch.dtype,
-    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    scales: tuple[torch.Tensor | None, torch.Tensor] | None,
 ) -> torch.Tensor:
     num_rows = x.shape[0] if rows is None else rows.numel()
     num_experts, n, k = weight.shape
@@ -208,6 +217,7 @@ def _launch(
     max_tiles = triton.cdiv(num_rows, t.block_m) + num_experts
     grid = (max_tiles, triton.cdiv(n, t.block_n), splits)
     xs, ws = scales if scales is not None else (x, weight)
+    xs = x if xs is None else xs
     _grouped_gemm_kernel[grid](
         x, x if rows is None else rows, weight, target, offsets, xs, ws,
         n, k, k_split, num_experts, x.stride(0), weight.stride(0), weight.stride(1),
@@ -217,6 +227,7 @@ def _launch(
         PARTIAL=splits > 1, PRECISION=dot_precision(x.dtype),
         E_PAD=triton.next_power_of_2(num_experts), num_warps=t.num_warps,
         num_stages=t.num_stages, SCALED=scales is not None, GROUP=BLOCK,
+        A_SCALED=scales is not None and scales[0] is not None,
     )  # fmt: skip
     if splits > 1:
         out.copy_(target.sum(dim=0))

@@ -20,6 +20,7 @@ from splitserve.kernels.decode_attention import (
     paged_decode_attention_qkv,
 )
 from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
+from splitserve.kernels.fp8_quant import quantize_blocks
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
@@ -65,6 +66,31 @@ def test_gemv_matches_the_separate_ops(
     else:
         assert summed is None
     assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "gated", "residual"),
+    [(192, 300, False, False), (256, 200, True, True), (128, 130, True, False)],
+)
+def test_gemv_on_fp8_weights_equals_the_dequantized_product(
+    n: int, k: int, gated: bool, residual: bool
+) -> None:
+    """FP8 blocks (one scale per 128 x 128) with ragged K tiles and a gate|up pair whose up
+    half starts in another block row: the product of the row with the dequantized weight."""
+    torch.manual_seed(n + k)
+    x = torch.randn(1, k)
+    real = torch.randn((2 if gated else 1) * n, k) / k**0.5
+    real[:, : k // 3] *= 8  # blocks of different scales
+    weight = quantize_blocks(real)
+    res = torch.randn_like(x) if residual else None
+    norm_weight = torch.randn(k)
+    fused = {"residual": res, "norm_weight": norm_weight, "gated": gated}
+    out, _ = gemv(x, weight.data, weight_scale=weight.scale, tiles=Tiles(16, 64, 4), **fused)
+    ref, _ = gemv_ref(x, weight.data, weight_scale=weight.scale, **fused)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # against the float weights: only FP8's rounding of the weights
+    plain, _ = gemv_ref(x, real, **fused)
+    assert 1e-3 < ((out - plain).norm() / plain.norm()).item() < 0.1
 
 
 def test_gemv_takes_one_row_and_a_residual_only_with_a_norm() -> None:

@@ -8,7 +8,10 @@ embeddings, the LM head, the norms, the MoE router and MLA's latent up-projectio
 
 A product quantizes its input per token and 128-channel group, then runs the FP8 x FP8 GEMM:
 the Triton kernel where the kernels run (``kernels/grouped_gemm.py``), else the dequantizing
-torch reference (slow, but every test and deployment shape runs on the CPU).
+torch reference (slow, but every test and deployment shape runs on the CPU). Where the kernels
+run, products of a few rows (decode) skip the quantization and take the rows as they are
+against the widened FP8 weights (``W8A16_MAX_ROWS``); one row goes through the fused GEMV
+(``layers/linear.py``).
 
 Which modules become FP8, and how a checkpoint gets there: ``engine/fp8_weights.py``.
 """
@@ -31,6 +34,11 @@ from splitserve.kernels.fp8_quant import (
     quantize_groups,
 )
 
+W8A16_MAX_ROWS = 64
+"""Products of up to this many rows keep the rows in their dtype (``fp8_gemm`` with no
+activation scales: the weights' bytes are the bound there, and quantizing the rows would
+cost a launch); more rows are quantized per token and group and run FP8 x FP8."""
+
 SCALE_SUFFIX = "_scale_inv"
 """A quantized parameter's scales sit beside it under its name + this (DeepSeek's naming)."""
 
@@ -41,11 +49,14 @@ def fp8_linear(
     """x [M, K] (float) times the block-quantized weight [N, K] -> [M, N] in x's dtype.
     dequantized: the weight's float32 values, where the caller keeps them (the reference
     path then skips dequantizing it again)."""
-    x_fp8, x_scale = quantize_groups(x)
     if use_kernels(x):
+        from splitserve.kernels.fp8_act import quantize_groups_kernel
         from splitserve.kernels.grouped_gemm import fp8_gemm
 
-        return fp8_gemm(x_fp8, x_scale, weight, x.dtype)
+        if x.shape[0] <= W8A16_MAX_ROWS:
+            return fp8_gemm(x.contiguous(), None, weight, x.dtype)
+        return fp8_gemm(*quantize_groups_kernel(x.contiguous()), weight, x.dtype)
+    x_fp8, x_scale = quantize_groups(x)
     if dequantized is None:
         return fp8_matmul_ref(x_fp8, x_scale, weight, x.dtype)
     return F.linear(dequantize_groups(x_fp8, x_scale), dequantized).to(x.dtype)
@@ -56,11 +67,15 @@ def fp8_grouped(
 ) -> torch.Tensor:
     """``moe.grouped_gemm`` with FP8 experts: x's tokens are quantized once, before the rows
     are gathered from them."""
-    x_fp8, x_scale = quantize_groups(x)
     if use_kernels(x):
+        from splitserve.kernels.fp8_act import quantize_groups_kernel
         from splitserve.kernels.grouped_gemm import fp8_grouped_gemm
 
+        if (x.shape[0] if rows is None else rows.numel()) <= W8A16_MAX_ROWS:
+            return fp8_grouped_gemm(x.contiguous(), None, weight, offsets, x.dtype, rows)
+        x_fp8, x_scale = quantize_groups_kernel(x.contiguous())
         return fp8_grouped_gemm(x_fp8, x_scale, weight, offsets, x.dtype, rows)
+    x_fp8, x_scale = quantize_groups(x)
     if rows is not None:  # gathered as bytes: torch indexes no float8 tensor on some versions
         x_fp8, x_scale = x_fp8.view(torch.uint8)[rows].view(FP8), x_scale[rows]
     return fp8_grouped_ref(x_fp8, x_scale, weight, offsets, x.dtype)
