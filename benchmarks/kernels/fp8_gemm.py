@@ -225,9 +225,9 @@ def main() -> None:
             for m in ROWS:
                 sweeps.append(sweep(name, n, k, m, device))
                 print(json.dumps({k: v for k, v in sweeps[-1].items() if k != "variants"}))
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "fp8_gemm_sweep.json"), "w") as f:
-                json.dump({"commit": git_commit(), "sweeps": sweeps}, f, indent=1)
+                if os.environ.get("OUT"):  # after each case: a run cut short keeps its part
+                    with open(os.path.join(os.environ["OUT"], "fp8_gemm_sweep.json"), "w") as f:
+                        json.dump({"commit": git_commit(), "sweeps": sweeps}, f, indent=1)
     projections, rows = SMALL if args.small else (PROJECTIONS, ROWS)
     results = []
     for name, (n, k) in projections.items():
