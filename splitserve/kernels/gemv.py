@@ -21,7 +21,7 @@ norm weight, the projection and SiLU are each rounded to the activation dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +187,11 @@ def gemv(
     res_out = None if residual is None else torch.empty_like(x)
     t = tiles or choose_tiles(k, x.device)
     if weight_scale is not None:  # a program's columns (gate's and up's) in one block row
-        assert BLOCK % t.block_n == 0 and n % t.block_n == 0 and weight_scale.stride(1) == 1
+        block_n = t.block_n
+        while gated and n % block_n:
+            block_n //= 2
+        t = replace(t, block_n=block_n)
+        assert BLOCK % t.block_n == 0 and weight_scale.stride(1) == 1
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, x if residual is None else residual, x if res_out is None else res_out,
         x if norm_weight is None else norm_weight, weight, x if bias is None else bias, out,

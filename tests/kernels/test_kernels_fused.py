@@ -180,13 +180,25 @@ def test_argmax_rows_takes_the_first_maximum_like_torch(chunk: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "path"), [("llama", "fused"), ("qwen2", "fused"), ("llama", "gemv")]
+    ("family", "path", "quantization"),
+    [
+        ("llama", "fused", None),
+        ("qwen2", "fused", None),
+        ("llama", "gemv", None),
+        ("llama", "fused", "fp8"),
+    ],
 )
 def test_model_on_every_kernel_gives_the_torch_tokens(
-    smollm2_tokenizer: Any, tmp_path: Path, family: str, path: str, monkeypatch: pytest.MonkeyPatch
+    smollm2_tokenizer: Any,
+    tmp_path: Path,
+    family: str,
+    path: str,
+    quantization: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Batch-1 decode steps take the GEMV path ("fused": norm and SiLU inside, "gemv": SiLU
-    inside), prefill steps the separate kernels; greedy tokens must equal the torch code's."""
+    inside; FP8 weights with their scales), prefill steps the separate kernels (FP8: the
+    FP8 GEMM); greedy tokens must equal the torch code's."""
     # q/k/v biases (Qwen2): the GEMV's bias epilogue.
     _, model = tiny_model(
         smollm2_tokenizer, tmp_path / family, family, hidden_size=96, intermediate_size=160,
@@ -198,6 +210,7 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (12, 21)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     kwargs: dict[str, Any] = dict(model=model, max_model_len=96, block_size=16, num_kv_blocks=24)
+    kwargs["quantization"] = quantization
     reference = LLM(**kwargs)
     expected = [
         reference.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
