@@ -119,22 +119,19 @@ def sweep_tiles(rows: int) -> list[GemmTiles]:
     tiles for prefill."""
     if rows <= 64:
         return [
-            GemmTiles(16 if rows <= 16 else 64, bn, 128, split, 4, stages)
-            for bn in (32, 64, 128)
+            GemmTiles(16 if rows <= 16 else 64, bn, 128, split, 4, 4)
+            for bn in (32, 64)
             for split in (1, 2, 4)
-            for stages in (3, 4)
         ]
     return [
-        GemmTiles(bm, bn, 128, 1, warps, stages)
+        GemmTiles(bm, bn, 128, 1, 4 if bm == 64 else 8, stages)
         for bm in (64, 128)
         for bn in (64, 128, 256)
-        for warps in (4, 8)
         for stages in (3, 4)
-        if bm * bn <= 128 * 256
     ]
 
 
-GEMV_TILES = [Tiles(bn, bk, w) for bn in (2, 4, 8) for bk in (1024, 2048) for w in (4, 8)]
+GEMV_TILES = [Tiles(bn, bk, 4) for bn in (2, 4, 8) for bk in (1024, 2048)]
 
 
 def cold_us(fn: Callable[[Any], Any], copies: list[Any]) -> float:

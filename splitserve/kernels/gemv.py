@@ -187,6 +187,8 @@ def gemv(
     res_out = None if residual is None else torch.empty_like(x)
     t = tiles or choose_tiles(k, x.device)
     if weight_scale is not None:  # a program's columns (gate's and up's) in one block row
+        if tiles is None and x.device.type == "cuda":  # a tile of as many bytes as bfloat16's
+            t = replace(t, block_k=2 * t.block_k)
         block_n = t.block_n
         while gated and n % block_n:
             block_n //= 2

@@ -146,6 +146,23 @@ def choose_tiles(num_rows: int, num_experts: int, k: int) -> GemmTiles:
     return GemmTiles(block_m, 64, 128, num_stages=4)
 
 
+def choose_fp8_tiles(num_rows: int, num_experts: int, n: int, quantized: bool) -> GemmTiles:
+    """The FP8 launches' tiling (no sweep on an H200 behind it yet: benchmarks/kernels/
+    fp8_gemm.py --sweep times the candidates). Unquantized rows (W8A16, a few rows an
+    expert: reading the weights is the bound): 16 or 64-row tiles, 64 columns, or 32 where
+    64 would leave most of the multiprocessors without a program (a dense projection of a
+    few thousand columns). Quantized rows (W8A8, prefill: the tensor cores are the bound):
+    128 x 128 tiles on 8 warps for a dense projection, 64 x 128 for experts."""
+    per_expert = -(-num_rows // num_experts)
+    if not quantized:
+        block_m = 16 if per_expert <= 16 else 64
+        block_n = 64 if -(-n // 64) * num_experts >= 256 else 32
+        return GemmTiles(block_m, block_n, BLOCK, num_stages=4)
+    if num_experts == 1:
+        return GemmTiles(128, 128, BLOCK, num_warps=8, num_stages=3)
+    return GemmTiles(64, 128, BLOCK, num_warps=4, num_stages=3)
+
+
 def grouped_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -175,7 +192,9 @@ def fp8_grouped_gemm(
     x_scale None: x stays in its float dtype (W8A16) and the products are taken in it, the
     weights widened exactly (for few rows, where reading the weights is the bound and the
     activations' quantization would be a launch for nothing)."""
-    t = tiles or choose_tiles(x.shape[0] if rows is None else rows.numel(), *weight.data.shape[::2])
+    num_rows = x.shape[0] if rows is None else rows.numel()
+    num_experts, n = weight.data.shape[:2]
+    t = tiles or choose_fp8_tiles(num_rows, num_experts, n, x_scale is not None)
     assert BLOCK % t.block_k == 0, "a K step must stay inside one scale group"
     return _launch(x, weight.data, offsets, rows, t, out_dtype, (x_scale, weight.scale))
 
