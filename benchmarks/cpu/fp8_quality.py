@@ -9,8 +9,11 @@ agreement and mean KL(reference || mode) in nats. With an FP8 KV cache a prefill
 its own K/V as the cache gives them back (engine/layers/fp8_kv.py), so these positions see
 what decode steps would read. Modes:
 
-- ``fp8-weights``: ``quantization="fp8"`` (e4m3 128 x 128 blocks, activations per token and
-  128-channel group; the CPU path is the dequantizing reference);
+- ``fp8-weights``: ``quantization="fp8"`` (e4m3 128 x 128 blocks; products of up to 64 rows,
+  decode steps and these short prefills, take the rows unquantized (W8A16), longer ones
+  quantize them per token and 128-channel group; the CPU path is the dequantizing reference);
+- ``fp8-weights-w8a8``: the same with every product's rows quantized (what prefills of more
+  than 64 tokens compute);
 - ``fp8-kv``: ``kv_cache_dtype="fp8"`` (e4m3 values, one float32 scale per token and head);
 - ``fp8-both``: the two together.
 
@@ -31,14 +34,17 @@ import torch
 
 from splitserve.bench.report import git_commit
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.layers import fp8_linear
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
+W8A16_DEFAULT = fp8_linear.W8A16_MAX_ROWS
 CONTINUATION, ANSWER_TOKENS, CHATS = 8, 32, 6
 MODES: dict[str, dict[str, Any]] = {
     "float32": {},
     "fp8-weights": {"quantization": "fp8"},
+    "fp8-weights-w8a8": {"quantization": "fp8", "w8a16_max_rows": 0},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "fp8-both": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
@@ -79,6 +85,8 @@ PROMPTS = (
 
 
 def make_engine(overrides: dict[str, Any]) -> LLMEngine:
+    overrides = dict(overrides)
+    fp8_linear.W8A16_MAX_ROWS = overrides.pop("w8a16_max_rows", W8A16_DEFAULT)
     config = EngineConfig(
         model=MODEL, dtype="float32", max_model_len=512, max_num_batched_tokens=512,
         max_num_seqs=8, kv_cache_bytes=256 << 20, enable_prefix_caching=False, **overrides,

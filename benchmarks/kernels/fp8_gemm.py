@@ -11,10 +11,11 @@ quantization before it (what a projection costs in the engine); the speedups ove
 and GB/s on the bytes each reads (FP8: one byte a weight, plus the scales).
 
     python -m benchmarks.kernels.fp8_gemm            # on the GPU machine; $OUT/fp8_gemm.json
+    python -m benchmarks.kernels.fp8_gemm --sweep    # weights from memory, CUDA graphs: every
+                                                     # variant (FP8 GEMV, W8A16, W8A8) and
+                                                     # tiling; $OUT/fp8_gemm_sweep.json
     TRITON_INTERPRET=1 python -m benchmarks.kernels.fp8_gemm --device cpu --small
                                                      # a smoke run of the checks, no timing
-
-Not run on a GPU yet: no number from it is in the docs.
 """
 
 from __future__ import annotations
@@ -28,16 +29,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.testing
 
 from splitserve.bench.report import git_commit
+from splitserve.kernels.fp8_act import quantize_groups_kernel
 from splitserve.kernels.fp8_quant import (
     FP8,
     FP8_MAX,
+    dequantize_blocks,
     fp8_matmul_ref,
     quantize_blocks,
     quantize_groups,
 )
-from splitserve.kernels.grouped_gemm import fp8_gemm
+from splitserve.kernels.gemv import Tiles, gemv
+from splitserve.kernels.grouped_gemm import GemmTiles, fp8_gemm
 
 PROJECTIONS = {
     "qkv": (6144, 4096),
@@ -108,12 +114,117 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
     return result
 
 
+def sweep_tiles(rows: int) -> list[GemmTiles]:
+    """The tilings tried at a row count: 16/64-row tiles with split-K for decode, 64/128-row
+    tiles for prefill."""
+    if rows <= 64:
+        return [
+            GemmTiles(16 if rows <= 16 else 64, bn, 128, split, 4, 4)
+            for bn in (32, 64)
+            for split in (1, 2, 4)
+        ]
+    return [
+        GemmTiles(bm, bn, 128, 1, 4 if bm == 64 else 8, stages)
+        for bm in (64, 128)
+        for bn in (64, 128, 256)
+        for stages in (3, 4)
+    ]
+
+
+GEMV_TILES = [Tiles(bn, bk, 4) for bn in (2, 4, 8) for bk in (1024, 2048)]
+
+
+def cold_us(fn: Callable[[Any], Any], copies: list[Any]) -> float:
+    """µs per call of fn(weight) with the weight cycling through copies larger than the L2
+    cache together (as a model's layers read theirs), replayed from a CUDA graph."""
+
+    def run_all() -> None:
+        for w in copies:
+            fn(w)
+
+    return float(triton.testing.do_bench_cudagraph(run_all, rep=30)) * 1000 / len(copies)
+
+
+def try_cold_us(fn: Callable[[Any], Any], copies: list[Any]) -> float:
+    try:
+        return cold_us(fn, copies)
+    except Exception as exc:  # a tiling past the shared memory or registers
+        print(f"skipped: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+        return float("inf")
+
+
+def sweep(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str, Any]:
+    """One projection at one row count, weights streamed from memory: bfloat16 (cuBLAS, and
+    the GEMV at one row), the FP8 GEMV at one row, the FP8 GEMM on unquantized rows (W8A16)
+    up to 256 rows and on quantized rows (W8A8, the quantization launch included) from 64,
+    each at every tiling of the sweep, and ``_scaled_mm`` (rows quantized beforehand)."""
+    dtype = torch.bfloat16
+    count = max(2, -(-(512 << 20) // (n * k * 2)))
+    dense = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(count)]
+    fp8 = [quantize_blocks(w) for w in dense]
+    x = torch.randn(rows, k, device=device).to(dtype)
+    ref = x.float() @ dequantize_blocks(fp8[0]).T
+    result: dict[str, Any] = {"gemm": name, "n": n, "k": k, "rows": rows}
+    result["bf16_us"] = cold_us(lambda w: F.linear(x, w), dense)
+    variants: dict[str, dict[str, float]] = {}
+    if rows == 1:
+        result["bf16_gemv_us"] = cold_us(lambda w: gemv(x, w), dense)
+        out, _ = gemv(x, fp8[0].data, weight_scale=fp8[0].scale)
+        result["gemv_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        variants["fp8_gemv"] = {
+            str(t): try_cold_us(lambda w, t=t: gemv(x, w.data, weight_scale=w.scale, tiles=t), fp8)
+            for t in GEMV_TILES
+        }
+    if rows <= 256:
+        out = fp8_gemm(x, None, fp8[0], dtype)
+        result["w8a16_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        variants["w8a16"] = {
+            str(t): try_cold_us(lambda w, t=t: fp8_gemm(x, None, w, dtype, t), fp8)
+            for t in sweep_tiles(rows)
+        }
+    if rows >= 64:
+        out = fp8_gemm(*quantize_groups_kernel(x), fp8[0], dtype)
+        result["w8a8_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        variants["w8a8"] = {
+            str(t): try_cold_us(
+                lambda w, t=t: fp8_gemm(*quantize_groups_kernel(x), w, dtype, t), fp8
+            )
+            for t in sweep_tiles(max(rows, 128))
+        }
+    rowwise_copies = [rowwise(w) for w in dense[:2]]
+    x_row, x_row_scale = rowwise(x)
+    result["scaled_mm_us"] = cold_us(
+        lambda w: torch._scaled_mm(
+            x_row, w[0].t(), scale_a=x_row_scale, scale_b=w[1].t(), out_dtype=dtype
+        ),
+        rowwise_copies,
+    )
+    for kind, timings in variants.items():
+        best = min(timings, key=lambda t: timings[t])
+        result[f"{kind}_best_us"], result[f"{kind}_best_tiles"] = timings[best], best
+        result[f"{kind}_x_bf16"] = result["bf16_us"] / timings[best]
+    result["variants"] = variants
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny shapes (an interpreter run)")
+    parser.add_argument(
+        "--sweep", action="store_true", help="weights from memory, every variant and tiling"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.sweep:
+        sweeps = []
+        for name, (n, k) in PROJECTIONS.items():
+            for m in ROWS:
+                sweeps.append(sweep(name, n, k, m, device))
+                print(json.dumps({k: v for k, v in sweeps[-1].items() if k != "variants"}))
+                if os.environ.get("OUT"):  # after each case: a run cut short keeps its part
+                    with open(os.path.join(os.environ["OUT"], "fp8_gemm_sweep.json"), "w") as f:
+                        json.dump({"commit": git_commit(), "sweeps": sweeps}, f, indent=1)
     projections, rows = SMALL if args.small else (PROJECTIONS, ROWS)
     results = []
     for name, (n, k) in projections.items():

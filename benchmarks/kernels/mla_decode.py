@@ -28,6 +28,7 @@ from splitserve.kernels.mla_decode import mla_decode_attention
 
 HEADS, LORA, ROPE, BLOCK_SIZE = 128, 512, 64, 16
 BANDWIDTH = 4.24e12
+MATMUL_RATE = 790e12
 DEV = torch.device("cuda")
 
 
@@ -44,22 +45,28 @@ def time_us(fn: Any, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def case(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+def case(batch: int, context: int, heads: int = HEADS) -> tuple[torch.Tensor, ...]:
     """(query, latent cache, block tables, context lengths) of random bf16 values, every
     sequence ``context`` tokens long in scattered blocks."""
     blocks = -(-context // BLOCK_SIZE)
     cache = torch.randn(batch * blocks + 1, BLOCK_SIZE, 1, LORA + ROPE, device=DEV).bfloat16()
     tables = torch.randperm(batch * blocks, device=DEV).view(batch, blocks)
     lens = torch.full((batch,), context, device=DEV)
-    query = torch.randn(batch, HEADS, LORA + ROPE, device=DEV).bfloat16()
+    query = torch.randn(batch, heads, LORA + ROPE, device=DEV).bfloat16()
     return query, cache, tables, lens
 
 
 SCALE = (128 + ROPE) ** -0.5
 
 
-def one(batch: int, context: int) -> dict[str, Any]:
-    query, cache, tables, lens = case(batch, context)
+def compute_bound_us(batch: int, context: int, heads: int) -> float:
+    """The tensor cores' floor: per head and token a 576-wide score and a 512-wide weighted
+    sum (two FLOPs a multiply-add) at the bfloat16 rate measured on an H200 (790 TFLOP/s)."""
+    return batch * context * heads * 2 * (LORA + ROPE + LORA) / MATMUL_RATE * 1e6
+
+
+def one(batch: int, context: int, heads: int = HEADS) -> dict[str, Any]:
+    query, cache, tables, lens = case(batch, context, heads)
     scale = SCALE
     got = mla_decode_attention(query, cache, tables, lens, scale, LORA)
     ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
@@ -73,10 +80,13 @@ def one(batch: int, context: int) -> dict[str, Any]:
     kernel = {n or 0: time_us(run(n)) for n in (None, 16, 32, 64)}
     torch_us = time_us(lambda: mla_decode(query, cache, tables, lens, scale, LORA), iters=5)
     read = batch * context * (LORA + ROPE) * 2
+    floor = compute_bound_us(batch, context, heads)
     return {
-        "batch": batch, "context": context, "max_abs_err": err, "ok": err < 2e-2,
-        "kernel_us_by_block_n": kernel, "torch_us": torch_us,
+        "batch": batch, "context": context, "heads": heads, "max_abs_err": err,
+        "ok": err < 2e-2, "kernel_us_by_block_n": kernel, "torch_us": torch_us,
         "kernel_bandwidth_share": read / (kernel[0] * 1e-6) / BANDWIDTH,
+        "compute_bound_us": floor, "bandwidth_bound_us": read / BANDWIDTH * 1e6,
+        "kernel_share_of_larger_bound": max(floor, read / BANDWIDTH * 1e6) / kernel[0],
     }  # fmt: skip
 
 
@@ -112,13 +122,18 @@ def sweep(batch: int, context: int, heads: str, warps: str, tokens: str) -> list
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--heads", default="128", help="query heads, comma-separated")
     parser.add_argument("--contexts", default="1024,4096,16384,32768")
     parser.add_argument("--sweep", type=int, default=0, help="also sweep tiles at this context")
     parser.add_argument("--sweep-heads", default="16,32,64,128", help="BLOCK_H values")
     parser.add_argument("--sweep-warps", default="4,8,16")
     parser.add_argument("--sweep-tokens", default="16,32,64,128", help="BLOCK_N values")
     args = parser.parse_args()
-    rows = [one(args.batch, int(c)) for c in args.contexts.split(",")]
+    rows = [
+        one(args.batch, int(c), int(h))
+        for h in args.heads.split(",")
+        for c in args.contexts.split(",")
+    ]
     device = torch.cuda.get_device_name()
     result: dict[str, Any] = {"commit": git_commit(), "device": device, "rows": rows}
     if args.sweep:

@@ -87,25 +87,29 @@ def dequantize_groups(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_matmul_ref(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8, out_dtype: torch.dtype
+    x_fp8: torch.Tensor, x_scale: torch.Tensor | None, weight: BlockFp8, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """[M, K] quantized activations times a [N, K] block-quantized weight -> [M, N]."""
-    out = dequantize_groups(x_fp8, x_scale) @ dequantize_blocks(weight).T
-    return out.to(out_dtype)
+    """[M, K] quantized activations times a [N, K] block-quantized weight -> [M, N]; x_scale
+    None: the activations are not quantized (W8A16) and meet the dequantized weight as
+    they are."""
+    rows = x_fp8.float() if x_scale is None else dequantize_groups(x_fp8, x_scale)
+    return (rows @ dequantize_blocks(weight).T).to(out_dtype)
 
 
 def fp8_grouped_ref(
     x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     weight: BlockFp8,
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The grouped expert GEMM on quantized rows (already in expert order): rows
-    [offsets[e], offsets[e + 1]) times expert e's weight; the offsets are read on the host."""
+    [offsets[e], offsets[e + 1]) times expert e's weight; the offsets are read on the host
+    (x_scale None: W8A16, as in ``fp8_matmul_ref``)."""
     out = torch.empty((x_fp8.shape[0], weight.data.shape[1]), dtype=out_dtype, device=x_fp8.device)
     for expert, (start, end) in enumerate(itertools.pairwise(offsets.tolist())):
         if end > start:
             one = BlockFp8(weight.data[expert], weight.scale[expert])
-            out[start:end] = fp8_matmul_ref(x_fp8[start:end], x_scale[start:end], one, out_dtype)
+            scale = None if x_scale is None else x_scale[start:end]
+            out[start:end] = fp8_matmul_ref(x_fp8[start:end], scale, one, out_dtype)
     return out

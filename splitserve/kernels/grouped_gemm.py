@@ -38,7 +38,7 @@ def _grouped_gemm_kernel(
     stride_xs, stride_wse, stride_wsn,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, PRECISION: tl.constexpr, E_PAD: tl.constexpr,
-    SCALED: tl.constexpr, GROUP: tl.constexpr,
+    SCALED: tl.constexpr, GROUP: tl.constexpr, A_SCALED: tl.constexpr,
 ):  # fmt: skip
     # This program's tile -> (expert, first row), from the offsets (``tile_schedule``'s rule,
     # computed here: a schedule made by separate launches cost more than a decode GEMM).
@@ -79,13 +79,17 @@ def _grouped_gemm_kernel(
         )
         if SCALED:  # one group of K: its FP8 dot times the rows' and columns' scales
             group = (k_begin + k0) // GROUP
-            a_scale = tl.load(xs_ptr + in_rows.to(tl.int64) * stride_xs + group, mask=row_mask)
             w_scale = tl.load(
                 ws_ptr + expert.to(tl.int64) * stride_wse + (cols // GROUP) * stride_wsn + group,
                 mask=col_mask,
             )
-            part = tl.dot(a, w, out_dtype=tl.float32)
-            acc += part * a_scale[:, None] * w_scale[None, :]
+            if A_SCALED:
+                a_scale = tl.load(xs_ptr + in_rows.to(tl.int64) * stride_xs + group, mask=row_mask)
+                part = tl.dot(a, w, out_dtype=tl.float32)
+                acc += part * a_scale[:, None] * w_scale[None, :]
+            else:  # rows in their own dtype, the e4m3 weights widened to it (exactly)
+                part = tl.dot(a, w.to(a.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+                acc += part * w_scale[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -142,6 +146,23 @@ def choose_tiles(num_rows: int, num_experts: int, k: int) -> GemmTiles:
     return GemmTiles(block_m, 64, 128, num_stages=4)
 
 
+def choose_fp8_tiles(num_rows: int, num_experts: int, n: int, quantized: bool) -> GemmTiles:
+    """The FP8 launches' tiling (no sweep on an H200 behind it yet: benchmarks/kernels/
+    fp8_gemm.py --sweep times the candidates). Unquantized rows (W8A16, a few rows an
+    expert: reading the weights is the bound): 16 or 64-row tiles, 64 columns, or 32 where
+    64 would leave most of the multiprocessors without a program (a dense projection of a
+    few thousand columns). Quantized rows (W8A8, prefill: the tensor cores are the bound):
+    128 x 128 tiles on 8 warps for a dense projection, 64 x 128 for experts."""
+    per_expert = -(-num_rows // num_experts)
+    if not quantized:
+        block_m = 16 if per_expert <= 16 else 64
+        block_n = 64 if -(-n // 64) * num_experts >= 256 else 32
+        return GemmTiles(block_m, block_n, BLOCK, num_stages=4)
+    if num_experts == 1:
+        return GemmTiles(128, 128, BLOCK, num_warps=8, num_stages=3)
+    return GemmTiles(64, 128, BLOCK, num_warps=4, num_stages=3)
+
+
 INVARIANT_TILES = GemmTiles(64, 64, 128, num_stages=4)
 """Deterministic mode's tiling at every row count (``choose_tiles`` picks BLOCK_M by the rows
 routed, and an MMA's sums may differ between tile heights): the prefill tile, no split-K."""
@@ -162,7 +183,7 @@ def grouped_gemm(
 
 def fp8_grouped_gemm(
     x: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     weight: BlockFp8,
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
@@ -171,21 +192,28 @@ def fp8_grouped_gemm(
 ) -> torch.Tensor:
     """``grouped_gemm`` in FP8: x [T, K] e4m3 with x_scale [T, ceil(K / 128)] float32,
     weight's data [E, N, K] e4m3 with its scale [E, ceil(N / 128), ceil(K / 128)]; the
-    result in out_dtype. tiles.block_k must divide 128."""
-    t = tiles or choose_tiles(x.shape[0] if rows is None else rows.numel(), *weight.data.shape[::2])
+    result in out_dtype. tiles.block_k must divide 128.
+
+    x_scale None: x stays in its float dtype (W8A16) and the products are taken in it, the
+    weights widened exactly (for few rows, where reading the weights is the bound and the
+    activations' quantization would be a launch for nothing)."""
+    num_rows = x.shape[0] if rows is None else rows.numel()
+    num_experts, n = weight.data.shape[:2]
+    t = tiles or choose_fp8_tiles(num_rows, num_experts, n, x_scale is not None)
     assert BLOCK % t.block_k == 0, "a K step must stay inside one scale group"
     return _launch(x, weight.data, offsets, rows, t, out_dtype, (x_scale, weight.scale))
 
 
 def fp8_gemm(
     x: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     weight: BlockFp8,
     out_dtype: torch.dtype,
     tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
-    """A dense FP8 projection: x [M, K] e4m3 (scales [M, ceil(K / 128)]) times weight's data
-    [N, K] (block scales): the grouped launch with one expert."""
+    """A dense FP8 projection: x [M, K] e4m3 (scales [M, ceil(K / 128)]; or x in its float
+    dtype and x_scale None) times weight's data [N, K] (block scales): the grouped launch
+    with one expert."""
     one = BlockFp8(weight.data.unsqueeze(0), weight.scale.unsqueeze(0))
     offsets = torch.arange(2, device=x.device) * x.shape[0]  # no host copy: graph-safe
     return fp8_grouped_gemm(x, x_scale, one, offsets, out_dtype, None, tiles)
@@ -198,7 +226,7 @@ def _launch(
     rows: torch.Tensor | None,
     tiles: GemmTiles | None,
     out_dtype: torch.dtype,
-    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    scales: tuple[torch.Tensor | None, torch.Tensor] | None,
 ) -> torch.Tensor:
     num_rows = x.shape[0] if rows is None else rows.numel()
     num_experts, n, k = weight.shape
@@ -213,6 +241,7 @@ def _launch(
     max_tiles = triton.cdiv(num_rows, t.block_m) + num_experts
     grid = (max_tiles, triton.cdiv(n, t.block_n), splits)
     xs, ws = scales if scales is not None else (x, weight)
+    xs = x if xs is None else xs
     _grouped_gemm_kernel[grid](
         x, x if rows is None else rows, weight, target, offsets, xs, ws,
         n, k, k_split, num_experts, x.stride(0), weight.stride(0), weight.stride(1),
@@ -222,6 +251,7 @@ def _launch(
         PARTIAL=splits > 1, PRECISION=dot_precision(x.dtype),
         E_PAD=triton.next_power_of_2(num_experts), num_warps=t.num_warps,
         num_stages=t.num_stages, SCALED=scales is not None, GROUP=BLOCK,
+        A_SCALED=scales is not None and scales[0] is not None,
     )  # fmt: skip
     if splits > 1:
         out.copy_(target.sum(dim=0))

@@ -10,12 +10,15 @@ from torch import nn
 pytest.importorskip("triton")
 
 from splitserve.engine.fp8_weights import to_fp8_layers
+from splitserve.engine.layers import fp8_linear
 from splitserve.engine.layers.moe import SparseMoE
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import set_kernels_on_cpu
+from splitserve.kernels.fp8_act import quantize_groups_kernel
 from splitserve.kernels.fp8_quant import (
     BlockFp8,
+    dequantize_blocks,
     fp8_grouped_ref,
     fp8_matmul_ref,
     quantize_blocks,
@@ -66,9 +69,47 @@ def test_the_reference_is_the_float32_product_of_the_dequantized_operands() -> N
     assert out.tolist() == [[128 * 2 * 0.5 + 128 * 2 * 4.0 * 0.25] * 2]
 
 
-def test_fp8_layers_on_the_kernels_equal_the_cpu_path() -> None:
+def test_fp8_gemm_on_rows_in_their_dtype_is_the_product_with_the_dequantized_weight() -> None:
+    """W8A16 (no activation scales): dense and grouped with gathered rows, split-K too."""
+    torch.manual_seed(4)
+    x = torch.randn(5, 200)
+    weight = quantize_blocks(torch.randn(150, 200) / 8)
+    expected = x @ dequantize_blocks(weight).T
+    for tiles in (GemmTiles(16, 32, 64), GemmTiles(16, 64, 32, split_k=3)):
+        out = fp8_gemm(x, None, weight, torch.float32, tiles)
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    offsets = torch.tensor([0, 3, 3, 8])
+    experts = quantize_blocks(torch.randn(3, 140, 160) / 8)
+    tokens = torch.randn(4, 160)
+    rows = torch.randint(0, 4, (8,))
+    out = fp8_grouped_gemm(
+        tokens, None, experts, offsets, torch.float32, rows, GemmTiles(16, 32, 64)
+    )
+    real = dequantize_blocks(experts)
+    expected = torch.cat([tokens[rows[:3]] @ real[0].T, tokens[rows[3:]] @ real[2].T])
+    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_the_quantization_kernel_equals_the_reference_bit_for_bit() -> None:
+    """Ragged last group, a zero group (the TINY scale), values of very different sizes."""
+    torch.manual_seed(5)
+    x = torch.randn(3, 300) * torch.logspace(-3, 3, 300)
+    x[1, 128:256] = 0
+    data, scale = quantize_groups_kernel(x)
+    ref_data, ref_scale = quantize_groups(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("few_rows", ["w8a8", "w8a16"])
+def test_fp8_layers_on_the_kernels_equal_the_cpu_path(
+    few_rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An FP8 MoE layer (gathered rows, two grouped GEMMs) and an FP8 projection through the
-    Triton kernels, against the same layers on the torch reference."""
+    Triton kernels, against the same layers on the torch reference: with these few rows
+    unquantized (w8a16, the default) and quantized (w8a8)."""
+    if few_rows == "w8a8":
+        monkeypatch.setattr(fp8_linear, "W8A16_MAX_ROWS", 0)
     torch.manual_seed(3)
     moe = SparseMoE(160, MoEConfig(num_experts=4, top_k=2, intermediate_size=64, renormalize=True))
     model = nn.Module()

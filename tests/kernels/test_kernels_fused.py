@@ -20,6 +20,7 @@ from splitserve.kernels.decode_attention import (
     paged_decode_attention_qkv,
 )
 from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
+from splitserve.kernels.fp8_quant import quantize_blocks
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
@@ -65,6 +66,31 @@ def test_gemv_matches_the_separate_ops(
     else:
         assert summed is None
     assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "gated", "residual"),
+    [(192, 300, False, False), (256, 200, True, True), (128, 130, True, False)],
+)
+def test_gemv_on_fp8_weights_equals_the_dequantized_product(
+    n: int, k: int, gated: bool, residual: bool
+) -> None:
+    """FP8 blocks (one scale per 128 x 128) with ragged K tiles and a gate|up pair whose up
+    half starts in another block row: the product of the row with the dequantized weight."""
+    torch.manual_seed(n + k)
+    x = torch.randn(1, k)
+    real = torch.randn((2 if gated else 1) * n, k) / k**0.5
+    real[:, : k // 3] *= 8  # blocks of different scales
+    weight = quantize_blocks(real)
+    res = torch.randn_like(x) if residual else None
+    norm_weight = torch.randn(k)
+    fused = {"residual": res, "norm_weight": norm_weight, "gated": gated}
+    out, _ = gemv(x, weight.data, weight_scale=weight.scale, tiles=Tiles(16, 64, 4), **fused)
+    ref, _ = gemv_ref(x, weight.data, weight_scale=weight.scale, **fused)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # against the float weights: only FP8's rounding of the weights
+    plain, _ = gemv_ref(x, real, **fused)
+    assert 1e-3 < ((out - plain).norm() / plain.norm()).item() < 0.1
 
 
 def test_gemv_takes_one_row_and_a_residual_only_with_a_norm() -> None:
@@ -154,13 +180,25 @@ def test_argmax_rows_takes_the_first_maximum_like_torch(chunk: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "path"), [("llama", "fused"), ("qwen2", "fused"), ("llama", "gemv")]
+    ("family", "path", "quantization"),
+    [
+        ("llama", "fused", None),
+        ("qwen2", "fused", None),
+        ("llama", "gemv", None),
+        ("llama", "fused", "fp8"),
+    ],
 )
 def test_model_on_every_kernel_gives_the_torch_tokens(
-    smollm2_tokenizer: Any, tmp_path: Path, family: str, path: str, monkeypatch: pytest.MonkeyPatch
+    smollm2_tokenizer: Any,
+    tmp_path: Path,
+    family: str,
+    path: str,
+    quantization: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Batch-1 decode steps take the GEMV path ("fused": norm and SiLU inside, "gemv": SiLU
-    inside), prefill steps the separate kernels; greedy tokens must equal the torch code's."""
+    inside; FP8 weights with their scales), prefill steps the separate kernels (FP8: the
+    FP8 GEMM); greedy tokens must equal the torch code's."""
     # q/k/v biases (Qwen2): the GEMV's bias epilogue.
     _, model = tiny_model(
         smollm2_tokenizer, tmp_path / family, family, hidden_size=96, intermediate_size=160,
@@ -172,6 +210,7 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (12, 21)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     kwargs: dict[str, Any] = dict(model=model, max_model_len=96, block_size=16, num_kv_blocks=24)
+    kwargs["quantization"] = quantization
     reference = LLM(**kwargs)
     expected = [
         reference.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts

@@ -8,7 +8,10 @@ embeddings, the LM head, the norms, the MoE router and MLA's latent up-projectio
 
 A product quantizes its input per token and 128-channel group, then runs the FP8 x FP8 GEMM:
 the Triton kernel where the kernels run (``kernels/grouped_gemm.py``), else the dequantizing
-torch reference (slow, but every test and deployment shape runs on the CPU).
+torch reference (slow, but every test and deployment shape runs on the CPU). Where the kernels
+run and on the CPU, products of a few rows (decode) skip the quantization and take the rows
+as they are against the dequantized weights (``W8A16_MAX_ROWS``); on the kernels one row goes
+through the fused GEMV (``layers/linear.py``).
 
 Which modules become FP8, and how a checkpoint gets there: ``engine/fp8_weights.py``.
 """
@@ -27,9 +30,14 @@ from splitserve.kernels.fp8_quant import (
     dequantize_blocks,
     dequantize_groups,
     fp8_grouped_ref,
-    fp8_matmul_ref,
     quantize_groups,
 )
+
+W8A16_MAX_ROWS = 64
+"""Products of up to this many rows (an expert stack: this many rows per expert on average)
+keep the rows in their dtype and meet the dequantized weights (W8A16: the weights' bytes are
+the bound there, and quantizing the rows would cost a launch and accuracy); more rows are
+quantized per token and group and run FP8 x FP8. The CPU path does the same arithmetic."""
 
 SCALE_SUFFIX = "_scale_inv"
 """A quantized parameter's scales sit beside it under its name + this (DeepSeek's naming)."""
@@ -40,27 +48,40 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [M, K] (float) times the block-quantized weight [N, K] -> [M, N] in x's dtype.
     dequantized: the weight's float32 values, where the caller keeps them (the reference
-    path then skips dequantizing it again)."""
-    x_fp8, x_scale = quantize_groups(x)
+    path then skips dequantizing it again). Up to ``W8A16_MAX_ROWS`` rows stay unquantized."""
+    few = x.shape[0] <= W8A16_MAX_ROWS
     if use_kernels(x):
+        from splitserve.kernels.fp8_act import quantize_groups_kernel
         from splitserve.kernels.grouped_gemm import fp8_gemm
 
-        return fp8_gemm(x_fp8, x_scale, weight, x.dtype)
+        if few:
+            return fp8_gemm(x.contiguous(), None, weight, x.dtype)
+        return fp8_gemm(*quantize_groups_kernel(x.contiguous()), weight, x.dtype)
+    rows = x.float() if few else dequantize_groups(*quantize_groups(x))
     if dequantized is None:
-        return fp8_matmul_ref(x_fp8, x_scale, weight, x.dtype)
-    return F.linear(dequantize_groups(x_fp8, x_scale), dequantized).to(x.dtype)
+        dequantized = dequantize_blocks(weight)
+    return F.linear(rows, dequantized).to(x.dtype)
 
 
 def fp8_grouped(
     x: torch.Tensor, weight: BlockFp8, offsets: torch.Tensor, rows: torch.Tensor | None
 ) -> torch.Tensor:
     """``moe.grouped_gemm`` with FP8 experts: x's tokens are quantized once, before the rows
-    are gathered from them."""
-    x_fp8, x_scale = quantize_groups(x)
+    are gathered from them; unquantized while the experts get ``W8A16_MAX_ROWS`` rows each
+    on average or fewer (decode)."""
+    count = x.shape[0] if rows is None else rows.numel()
+    few = count <= W8A16_MAX_ROWS * weight.data.shape[0]
     if use_kernels(x):
+        from splitserve.kernels.fp8_act import quantize_groups_kernel
         from splitserve.kernels.grouped_gemm import fp8_grouped_gemm
 
+        if few:
+            return fp8_grouped_gemm(x.contiguous(), None, weight, offsets, x.dtype, rows)
+        x_fp8, x_scale = quantize_groups_kernel(x.contiguous())
         return fp8_grouped_gemm(x_fp8, x_scale, weight, offsets, x.dtype, rows)
+    if few:
+        return fp8_grouped_ref(x if rows is None else x[rows], None, weight, offsets, x.dtype)
+    x_fp8, x_scale = quantize_groups(x)
     if rows is not None:  # gathered as bytes: torch indexes no float8 tensor on some versions
         x_fp8, x_scale = x_fp8.view(torch.uint8)[rows].view(FP8), x_scale[rows]
     return fp8_grouped_ref(x_fp8, x_scale, weight, offsets, x.dtype)

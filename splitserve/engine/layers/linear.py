@@ -2,10 +2,11 @@
 
 On the Triton path a one-row step runs each projection with a weight up to ``GEMV_MAX_BYTES``
 as the GEMV kernel of ``splitserve.kernels.gemv``, with the RMSNorm before it and the
-SiLU-and-mul after it folded into the same launch. Other steps (prefill, batches) run each op
-on its own: the Triton RMSNorm and SiLU, cuBLAS for the product; on the CPU the torch norm and
-SiLU and oneDNN for the product (``cpu_gemm.py``). ``kernels.dispatch.set_decode_path`` picks
-the one-row variant for A/B benchmarks.
+SiLU-and-mul after it folded into the same launch; an FP8 projection (``fp8_linear.py``) too,
+its e4m3 weight read with its block scales (one byte a weight). Other steps (prefill,
+batches) run each op on its own: the Triton RMSNorm and SiLU, cuBLAS for the product; on the
+CPU the torch norm and SiLU and oneDNN for the product (``cpu_gemm.py``).
+``kernels.dispatch.set_decode_path`` picks the one-row variant for A/B benchmarks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.cpu_gemm import onednn_linear, row_tiled, tiled_linear
+from splitserve.engine.layers.fp8_linear import Fp8Linear
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.kernels.dispatch import decode_path, use_kernels
 
@@ -35,7 +37,7 @@ beside Llama-3-8B's 50 MB q|k|v (14.2 us folded against 14.9 with the norm kerne
 gate|up (54.7 against 55.5); without PDL it did not (21.6 against 20.2 for q|k|v)."""
 
 
-def _weight_bytes(layer: nn.Linear) -> int:
+def _weight_bytes(layer: nn.Linear | Fp8Linear) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
@@ -44,7 +46,7 @@ def _one_row(x: torch.Tensor, layer: nn.Module) -> bool:
     every row count)."""
     return (
         x.shape[0] == 1
-        and isinstance(layer, nn.Linear)
+        and isinstance(layer, (nn.Linear, Fp8Linear))
         and not row_tiled(layer)
         and use_kernels(x)
         and decode_path() != "separate"
@@ -75,10 +77,14 @@ def _invariant(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 def _gemv(
     x: torch.Tensor, layer: nn.Module, **fused: Any
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The GEMV kernel on layer's weight (imported here: Triton is optional)."""
+    """The GEMV kernel on layer's weight (imported here: Triton is optional); an FP8
+    layer's weight with its block scales."""
     from splitserve.kernels.gemv import gemv
 
-    assert isinstance(layer, nn.Linear)
+    if isinstance(layer, Fp8Linear):
+        fused["weight_scale"] = layer.weight_scale_inv
+    else:
+        assert isinstance(layer, nn.Linear)
     return gemv(x.contiguous(), layer.weight, layer.bias, **fused)
 
 

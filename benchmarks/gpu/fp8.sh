@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# FP8 on one H200 (issue 42; the record is in docs/performance.md): the FP8 GEMMs on
+# Llama-3-8B's projections beside bfloat16 and torch._scaled_mm (and, with SWEEP=1, a sweep of
+# their tilings); the engine on shape:llama3-8b in bfloat16, with FP8 weights, and with an FP8
+# KV cache (decode at batch 1 and 64, an 8k prefill; the KV cache at batch 64 and 8k context),
+# and shape:qwen3-30b-a3b at batch 64 in bfloat16 and FP8. Each comparison in one run.
+# PARTS picks what runs (default: every part): kernels, llama, kv, moe.
+source "$(dirname "$0")/../gpu_env.sh"
+PARTS=${PARTS:-kernels llama kv moe}
+bench() { step timeout "${LIMIT:-240}" "$PY" -m splitserve.cli bench offline --device cuda \
+    --no-baseline --attention-backend triton "$@"; }
+for part in $PARTS; do
+    case $part in
+    kernels)
+        [ "${SWEEP:-0}" = 1 ] || step "$PY" -m benchmarks.kernels.fp8_gemm
+        if [ "${SWEEP:-0}" = 1 ]; then step "$PY" -m benchmarks.kernels.fp8_gemm --sweep; fi ;;
+    llama)
+        for q in "" "--quantization fp8"; do
+            bench --shape llama3-8b --batch-sizes 1,64 --input-len 1024 --output-len 64 \
+                --prefill-len 8192 $q --result-file "$OUT/fp8-llama3-8b${q:+-fp8}.json"
+        done ;;
+    kv)
+        for kv in auto fp8; do
+            bench --shape llama3-8b --batch-sizes 64 --input-len 8192 --output-len 64 \
+                --kv-cache-dtype $kv --result-file "$OUT/fp8-llama3-8b-kv-$kv.json"
+        done ;;
+    moe)
+        for q in "" "--quantization fp8"; do
+            bench --shape qwen3-30b-a3b --batch-sizes 64 --input-len 256 --output-len 64 \
+                --gpu-memory-utilization 0.5 $q --result-file "$OUT/fp8-qwen3${q:+-fp8}.json"
+        done ;;
+    esac
+done
+exit $status
