@@ -6,9 +6,10 @@
 #     kernels (deterministic-kernels.json);
 # (b) the engine on shape:llama3-8b: a probe prompt alone and amid 1 to 255 other prompts of
 #     mixed lengths, chunked 2048 and 64 tokens a step, with and without a prefix-cache hit: the
-#     same logprob bits for every generated token, the same seeded temperature-1 tokens; then
-#     the same on a mixture of experts, the first 4 layers of Qwen3-30B-A3B (up to 63 others)
-#     (deterministic-engine-<shape>.json);
+#     same logprob bits for every generated token, the same seeded temperature-1 tokens, also
+#     prefilled on one engine and decoded on another (1P1D, the KV handed over in-process);
+#     then the same on a mixture of experts, the first 4 layers of Qwen3-30B-A3B (up to 63
+#     others) (deterministic-engine-<shape>.json);
 # (d) in (b)'s runs, n-gram speculative decoding (both shapes) and a draft model equal to the
 #     target (Llama-3-8B; every draft accepted) giving plain greedy's tokens and logprobs;
 # (c) the price: `splitserve bench offline` on shape:llama3-8b with and without --deterministic

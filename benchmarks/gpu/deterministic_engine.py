@@ -9,6 +9,8 @@ and overlapped scheduling as configured by default:
   alone first (nothing cached: the reference), then at the middle of batches of 1 to
   ``--max-others`` other prompts of mixed lengths (its prefix now cached, its remainder chunked
   beside other prompts' chunks and decode rows; batches over the graphs' largest run eagerly);
+- ``disaggregated`` (1P1D): the probe among 7 others prefilled 64 tokens a step on one
+  engine, its KV handed to another that decodes it (greedy and seeded);
 - ``small_chunks_ngram``: prompts prefilled 64 tokens a step, no prefix caching, and n-gram
   speculative decoding (k = 4): the greedy tokens and logprobs must be plain decoding's, the
   verify steps' k + 1 rows reducing as one-row steps do. n-gram drafts only where the output
@@ -48,9 +50,9 @@ def bits(out: Any) -> Bits:
     ]
 
 
-def with_engine(args: argparse.Namespace, work: Callable[[Any], T], **overrides: Any) -> T:
-    """work(a deterministic LLM of args' model with overrides), the LLM freed afterwards (its
-    weights and KV pool given back to the device before the next one is built)."""
+def with_engines(args: argparse.Namespace, work: Callable[..., T], *overrides: dict[str, Any]) -> T:
+    """work(one deterministic LLM of args' model per overrides), the LLMs freed afterwards
+    (their weights and KV pools given back to the device before the next are built)."""
     from splitserve.engine.llm import LLM
 
     settings: dict[str, Any] = dict(
@@ -59,14 +61,35 @@ def with_engine(args: argparse.Namespace, work: Callable[[Any], T], **overrides:
     )  # fmt: skip
     if args.device == "cpu":
         settings.update(attention_backend="triton", num_kv_blocks=256)
-    llm = LLM(args.model, **(settings | overrides))
+    llms = [LLM(args.model, **(settings | o)) for o in overrides]
     try:
-        return work(llm)
+        return work(*llms)
     finally:
-        del llm
+        del llms
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def disaggregated(prefill: Any, decode: Any, prompts: list[list[int]], params: Any) -> list[Any]:
+    """Each prompt prefilled on one engine, its KV handed to the other, which decodes it (as a
+    prefill and a decode worker do, tests/support/handoff.py); the final outputs in order."""
+    for index, prompt in enumerate(prompts):
+        assert decode.handoff.reserve(decode.build_request(str(index), prompt, params))
+        prefill.add_request(str(index), prompt, params, prefill_only=True)
+    outputs: dict[str, Any] = {}
+    while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
+        for output in prefill.step():
+            handed = prefill.handoff.pop_prefilled(output.request_id)
+            buffer = decode.handoff.receive_buffer(output.request_id)
+            buffer.copy_(handed.kv)
+            adopted = decode.handoff.adopt(
+                output.request_id, buffer, handed.first_token, handed.logprobs
+            )
+            outputs[output.request_id] = decode.admit_prefilled(*adopted)
+        for output in decode.step():
+            outputs[output.request_id] = output
+    return [outputs[str(index)] for index in range(len(prompts))]
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[int]]]:
@@ -123,8 +146,25 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         }
         return probe, others, reference, seeded_alone
 
-    probe, others, reference, seeded_alone = with_engine(
-        args, chunks, max_num_batched_tokens=args.chunk
+    probe, others, reference, seeded_alone = with_engines(
+        args, chunks, {"max_num_batched_tokens": args.chunk}
+    )
+
+    def handoff(prefill: Any, decode: Any) -> dict[str, Any]:
+        begin = time.perf_counter()
+        batch = [*others[:3], probe, *others[3:7]]
+        greedy_out = disaggregated(prefill.engine, decode.engine, batch, greedy)[3]
+        seeded_out = disaggregated(prefill.engine, decode.engine, batch, seeded)[3]
+        return {
+            "greedy": [{"others": len(batch) - 1, "equal": bits(greedy_out) == reference}],
+            "seeded": [{"others": len(batch) - 1, "equal": bits(seeded_out) == seeded_alone}],
+            "seconds": time.perf_counter() - begin,
+        }
+
+    # 1P1D: prefilled 64 tokens a step on one engine, decoded on another.
+    no_cache = {"enable_prefix_caching": False}
+    report["disaggregated"] = with_engines(
+        args, handoff, no_cache | {"max_num_batched_tokens": 64}, no_cache
     )
 
     def speculative(llm: Any, with_seeds: bool) -> dict[str, Any]:
@@ -142,9 +182,9 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         return part | spec_counters(llm) | {"seconds": time.perf_counter() - begin}
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "dynamic": False}
-    report["small_chunks_ngram"] = with_engine(
-        args, lambda llm: speculative(llm, True), max_num_batched_tokens=64,
-        enable_prefix_caching=False, speculative_config=ngram,
+    report["small_chunks_ngram"] = with_engines(
+        args, lambda llm: speculative(llm, True), {"max_num_batched_tokens": 64,
+        "enable_prefix_caching": False, "speculative_config": ngram},
     )  # fmt: skip
     report["small_chunks_ngram"]["chunk"] = 64
     if args.draft_model:
@@ -152,8 +192,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         # decode step verifies k + 1 rows.
         draft = {"method": "draft_model", "model": args.model, "num_speculative_tokens": 4,
                  "dynamic": False}  # fmt: skip
-        report["draft_model"] = with_engine(
-            args, lambda llm: speculative(llm, False), speculative_config=draft
+        report["draft_model"] = with_engines(
+            args, lambda llm: speculative(llm, False), {"speculative_config": draft}
         )
     report["probe_tokens"] = [token for token, _ in reference]
     return report
@@ -171,7 +211,7 @@ def spec_counters(llm: Any) -> dict[str, int]:
 def all_equal(report: dict[str, Any]) -> bool:
     cases = [
         case
-        for part in ("chunks", "small_chunks_ngram", "draft_model")
+        for part in ("chunks", "disaggregated", "small_chunks_ngram", "draft_model")
         for kind in ("greedy", "seeded")
         for case in report.get(part, {}).get(kind, [])
     ]
