@@ -161,8 +161,9 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": time.perf_counter() - begin,
         }
 
-    # 1P1D: prefilled 64 tokens a step on one engine, decoded on another.
-    no_cache = {"enable_prefix_caching": False}
+    # 1P1D: prefilled 64 tokens a step on one engine, decoded on another. These engines and
+    # the ones below see at most 8 prompts: 16 sequences (fewer shapes to warm up, capture).
+    no_cache = {"enable_prefix_caching": False, "max_num_seqs": 16}
     report["disaggregated"] = with_engines(
         args, handoff, no_cache | {"max_num_batched_tokens": 64}, no_cache
     )
@@ -183,8 +184,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "dynamic": False}
     report["small_chunks_ngram"] = with_engines(
-        args, lambda llm: speculative(llm, True), {"max_num_batched_tokens": 64,
-        "enable_prefix_caching": False, "speculative_config": ngram},
+        args, lambda llm: speculative(llm, True),
+        no_cache | {"max_num_batched_tokens": 64, "speculative_config": ngram},
     )  # fmt: skip
     report["small_chunks_ngram"]["chunk"] = 64
     if args.draft_model:
@@ -193,7 +194,9 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         draft = {"method": "draft_model", "model": args.model, "num_speculative_tokens": 4,
                  "dynamic": False}  # fmt: skip
         report["draft_model"] = with_engines(
-            args, lambda llm: speculative(llm, False), {"speculative_config": draft}
+            args,
+            lambda llm: speculative(llm, False),
+            {"speculative_config": draft, "max_num_seqs": 16},
         )
     report["probe_tokens"] = [token for token, _ in reference]
     return report
