@@ -45,7 +45,9 @@ def make_kernels_invariant(model: nn.Module) -> None:
     layers: list[Any] = list(getattr(model, "layers", []))
     if not layers:
         raise ValueError(f"deterministic mode does not cover {type(model).__name__} yet")
-    replaced: dict[int, AttentionBackend] = {}  # one per backend: layers share its step cache
+    # One replacement per backend, so that the layers sharing one share its step cache; the
+    # originals are held until the end, so no id is reused meanwhile.
+    replaced: dict[int, tuple[AttentionBackend, AttentionBackend]] = {}
     for layer in layers:
         attn: Any = getattr(layer, "self_attn", None)
         backend: AttentionBackend | None = getattr(attn, "backend", None)
@@ -61,8 +63,8 @@ def make_kernels_invariant(model: nn.Module) -> None:
                 )
             moe.invariant = True
         if id(backend) not in replaced:
-            replaced[id(backend)] = InvariantAttention.replacing(backend)
-        attn.backend = replaced[id(backend)]
+            replaced[id(backend)] = backend, InvariantAttention.replacing(backend)
+        attn.backend = replaced[id(backend)][1]
     for module in model.modules():
         if type(module) is nn.Linear:
             set_row_tiles(module)
