@@ -28,7 +28,7 @@ from splitserve.kernels import pdl
 from splitserve.kernels.decode_attention import dot_precision
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
-NUM_WARPS, NUM_STAGES = 8, 3
+NUM_WARPS, NUM_STAGES = 8, 3  # at 4 warps the splits-in-turn variant spilled (sm_90a)
 TARGET_PROGRAMS = 128
 """About one program per multiprocessor of an H100/H200 (132): the split-K fills the device at
 one row. A constant rather than the device's count, so that every GPU model splits alike."""
