@@ -40,21 +40,26 @@ def test_quantize_blocks_scales_each_block_to_the_largest_e4m3() -> None:
 
 
 def test_an_fp8_projection_is_the_product_of_its_dequantized_operands() -> None:
-    """Fp8Linear (bias included) = the input rounded per token and 128-channel group times
-    the dequantized weight, in float32: the only rounding is the operands'."""
+    """Fp8Linear (bias included) on 72 rows (more than W8A16_MAX_ROWS) = the input rounded per
+    token and 128-channel group times the dequantized weight, in float32: the only rounding is
+    the operands'; on 12 rows (decode-sized) the input is not rounded."""
     gen = torch.Generator().manual_seed(2)
     linear = nn.Linear(200, 72)
     layer = Fp8Linear(200, 72, linear.bias)
     quantized = quantize_blocks(linear.weight.detach())
     layer.weight.data, layer.weight_scale_inv.data = quantized.data, quantized.scale
-    x = torch.randn(3, 4, 200, generator=gen)
+    real = dequantize_blocks(quantized)
+    x = torch.randn(6, 12, 200, generator=gen)
     out = layer(x)
-    x_fp8, x_scale = quantize_groups(x.reshape(12, 200))
+    x_fp8, x_scale = quantize_groups(x.reshape(72, 200))
     rounded = dequantize_groups(x_fp8, x_scale)
-    expected = rounded @ dequantize_blocks(quantized).T + linear.bias
-    assert out.shape == (3, 4, 72)
-    torch.testing.assert_close(out.reshape(12, 72), expected, rtol=1e-6, atol=1e-6)
-    assert (rounded - x.reshape(12, 200)).norm() / x.norm() < 0.04
+    expected = rounded @ real.T + linear.bias
+    assert out.shape == (6, 12, 72)
+    torch.testing.assert_close(out.reshape(72, 72), expected, rtol=1e-6, atol=1e-6)
+    assert (rounded - x.reshape(72, 200)).norm() / x.norm() < 0.04
+    few = layer(x[0])
+    torch.testing.assert_close(few, x[0] @ real.T + linear.bias, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(few, expected[:12], rtol=1e-4, atol=1e-4)
 
 
 def dequantize_into(reference: nn.Module, fp8: nn.Module) -> int:
