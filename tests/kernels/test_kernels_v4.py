@@ -187,19 +187,22 @@ class HostReads(TorchDispatchMode):
 
 
 def _recorded_decodes(
-    monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]], hybrid: bool
+    monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]], overlap: bool
 ) -> tuple[list[list[int]], list[list[int]], list[str]]:
-    """The tiny V4's greedy tokens on the "triton" backend (overlapped steps in one group),
-    its decode steps' context lengths and what their forward read on the host."""
+    """The tiny V4's greedy tokens on the "triton" backend in its KV cache groups (overlapped:
+    through the CUDA graphs' padded inputs, run eagerly), its decode steps' context lengths
+    and what their forward read on the host."""
     llm = LLM(
         model="shape:tiny-deepseek-v4",
         attention_backend="triton",
         max_model_len=48,
-        hybrid_kv_cache=hybrid,
-        overlap_scheduling=not hybrid,
+        block_size=4,
+        overlap_scheduling=overlap,
     )
     runner = llm.engine.runner
-    assert runner.model.graph_safe and (runner.overlapped is None) == hybrid
+    assert runner.model.graph_safe and (runner.overlapped is not None) == overlap
+    if runner.overlapped is not None:  # keys (window 8), CSA and HCA state rows (reach 8)
+        assert [w.width for w in runner.overlapped.windows] == [3, 3, 3]
     forward, steps, recorder = runner.model.forward, [], HostReads()
     tolist = torch.Tensor.tolist
 
@@ -225,16 +228,16 @@ def test_v4_decode_steps_on_the_kernels_read_nothing_on_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every layer on its kernels (the interpreter), three rows decoding through contexts
-    that close CSA and HCA windows (16, 32, 8) and that close none: the model's decode-only
-    forward calls no ``.item()`` / ``.tolist()`` / nonzero / mask indexing, so the model says
-    it is graph safe; in KV cache groups, and in one group with overlapped steps, whose
-    decode steps run the CUDA graphs' padded buckets (4 rows, the last a scratch row), with
-    the same tokens."""
+    that close CSA and HCA windows (16, 32, 8) and that close none, in blocks of 4: the
+    model's decode-only forward calls no ``.item()`` / ``.tolist()`` / nonzero / mask
+    indexing, so the model says it is graph safe; and overlapped, its decode steps run from
+    the CUDA graphs' inputs (a bucket of 4 rows, the last a scratch row in every group; the
+    window groups' tables 3 blocks wide), with the same tokens."""
     monkeypatch.setattr(dispatch, "_on_cpu", True)
     prompts = [list(range(3, 18)), list(range(50, 81)), list(range(90, 97))]
-    grouped, steps, reads = _recorded_decodes(monkeypatch, prompts, True)
+    eager, steps, reads = _recorded_decodes(monkeypatch, prompts, False)
     assert (steps, reads) == ([[16, 32, 8], [17, 33, 9]], [])
-    padded, steps, reads = _recorded_decodes(monkeypatch, prompts, False)
+    padded, steps, reads = _recorded_decodes(monkeypatch, prompts, True)
     # the overlapped scheduler runs one more step, whose tokens it drops
     assert (steps, reads) == ([[16, 32, 8, 1], [17, 33, 9, 1], [18, 34, 10, 1]], [])
-    assert padded == grouped
+    assert padded == eager

@@ -72,6 +72,7 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(MixtralForCausalLM):
+    window_graphs = True
     mtp_architecture = "deepseek_v4_mtp"
     keep_hidden_states = False
     """Keep each step's residual streams [T, n, H] before the head's collapse in
