@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve.engine.kv_cache_spec import KVCacheGroup
 from splitserve.engine.layers.attention import AttentionMetadata
 from splitserve.engine.overlap import InflightStep
 from splitserve.engine.paged_model import PagedModel
@@ -51,6 +52,17 @@ class WindowGroup:
     @classmethod
     def of(cls, window: int, block_size: int, scratch: int) -> WindowGroup:
         return cls(window, -(-window // block_size) + 1, scratch)
+
+
+def window_groups(
+    groups: list[KVCacheGroup], block_size: int, pools: list[int]
+) -> list[WindowGroup]:
+    """The sliding-window groups (1, 2, ...) of a runner's KV cache groups, each pool's size
+    being its null block."""
+    return [
+        WindowGroup.of(group.window or 0, block_size, blocks)
+        for group, blocks in zip(groups[1:], pools)
+    ]
 
 
 class WindowInputs:
