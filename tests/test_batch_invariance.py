@@ -196,8 +196,11 @@ def test_row_tiled_float32_projections_give_a_row_the_same_bits_at_any_row_count
 
 
 def test_deterministic_mode_refuses_what_it_does_not_cover() -> None:
-    with pytest.raises(ValueError, match="device='cpu'"):
-        EngineConfig(deterministic=True, device="cuda")
+    with pytest.raises(ValueError, match="device='cpu' is built in float32"):
+        EngineConfig(deterministic=True, device="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="no FP8"):
+        EngineConfig(deterministic=True, device="cuda", kv_cache_dtype="fp8")
+    EngineConfig(deterministic=True, device="cuda")  # on the Triton kernels
     cfg = shape_config("smollm2-135m?layers=1")
     backend = make_backend("torch", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     model = model_class(cfg)(cfg, backend)

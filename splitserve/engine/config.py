@@ -98,8 +98,9 @@ class EngineConfig:
     """Batch-invariant inference (``engine/layers/batch_invariant.py``): every row of a step is
     computed the same way whatever else shares the step, so a prompt's logprobs and tokens are
     the same bits alone or batched, chunked any way, with or without a prefix-cache hit, and
-    speculative decoding keeps exactly the plain greedy tokens. CPU only so far, for dense
-    models attending over their whole context (Llama family, Qwen); slower (docs/engine.md)."""
+    speculative decoding keeps exactly the plain greedy tokens. On the CPU (float32) and on
+    CUDA (the Triton kernels, ``engine/layers/batch_invariant_kernels.py``), for dense models
+    attending over their whole context (Llama family, Qwen); slower (docs/engine.md)."""
     grammar_budget_s: float = 10.0
     """The CPU seconds a structured-output request's constraint work (token masks and
     accepts) may take in all; past it the request ends with finish_reason "error"
@@ -140,16 +141,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
             )
-        if self.deterministic and (
-            self.device != "cpu"
-            or self.cpu_weights != "auto"
-            or self.dtype not in ("auto", "float32")
-        ):
-            raise ValueError(
-                "deterministic is built for device='cpu' in float32 with cpu_weights='auto' "
-                f"only so far, not device={self.device!r} dtype={self.dtype!r} "
-                f"cpu_weights={self.cpu_weights!r}"
-            )
+        if self.deterministic:
+            self._check_deterministic()
         if self.window_replay_allowance is not None and self.window_replay_allowance < 0:
             raise ValueError("window_replay_allowance must be at least 0 (or None: exact)")
         if self.grammar_budget_s <= 0:
@@ -158,3 +151,28 @@ class EngineConfig:
             raise ValueError("expert_load_dir needs record_expert_load")
         if self.eplb is not None and self.record_expert_load:
             raise ValueError("eplb and record_expert_load both read the expert load counters")
+
+    def _check_deterministic(self) -> None:
+        """What deterministic mode is built for: the CPU in float32 (the native kernels), CUDA
+        on the Triton kernels without FP8."""
+        if self.device == "cpu":
+            if self.cpu_weights != "auto" or self.dtype not in ("auto", "float32"):
+                raise ValueError(
+                    "deterministic on device='cpu' is built in float32 with cpu_weights='auto' "
+                    f"only so far, not dtype={self.dtype!r} cpu_weights={self.cpu_weights!r}"
+                )
+        elif not self.device.startswith("cuda"):
+            raise ValueError(f"deterministic is built for cpu and cuda, not {self.device!r}")
+        elif (
+            self.attention_backend == "torch"
+            or self.quantization is not None
+            or self.kv_cache_dtype != "auto"
+            or self.expert_parallel_size > 1
+        ):
+            raise ValueError(
+                "deterministic on CUDA needs the Triton attention backend, no FP8 (weights or "
+                "KV cache) and no expert parallelism, not "
+                f"attention_backend={self.attention_backend!r} quantization="
+                f"{self.quantization!r} kv_cache_dtype={self.kv_cache_dtype!r} "
+                f"expert_parallel_size={self.expert_parallel_size}"
+            )

@@ -18,6 +18,7 @@ from splitserve.engine.kv_cache_spec import KVCacheGroup
 from splitserve.engine.kv_groups import StepRows, pool_sizes, window_metadata
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.attention_backends import choose_backend, make_backend
+from splitserve.engine.layers.batch_invariant_kernels import make_kernels_invariant
 from splitserve.engine.layers.block_linear import interleave_blocks
 from splitserve.engine.layers.cpu_gemm import prepack
 from splitserve.engine.layers.expert_placement import GroupMember
@@ -34,7 +35,7 @@ from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.vision.multimodal import step_embeddings, touches_images
 from splitserve.engine.warm_up import decode_width, warm_up
 from splitserve.engine.weight_format import convert_weights, load_checkpoint
-from splitserve.kernels.dispatch import triton_available
+from splitserve.kernels.dispatch import triton_available, use_kernels
 from splitserve.kernels.fp8_quant import FP8
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class ModelRunner:
         (fp8_kv.py), which the layers see as float8_e4m3fn and everything that moves
         blocks as bytes (torch indexes no float8 tensor on some versions)."""
         self.block_size = config.block_size
+        native = self.device.type == "cpu" and not use_kernels(torch.empty(0))
+        self.rows_as_decode = config.deterministic and native  # all rows (batch_invariant.py)
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.model = self._build_model(weights_path)
         self.num_blocks = self._allocate_kv_cache()
@@ -126,7 +129,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             prepack(model)  # oneDNN layouts of the projections, before the first request
             interleave_blocks(model)
-            choose_cpu_paths(model, invariant=self.config.deterministic)
+            choose_cpu_paths(model, invariant=self.rows_as_decode)
+        if self.config.deterministic and not self.rows_as_decode:
+            make_kernels_invariant(model)
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -144,8 +149,7 @@ class ModelRunner:
         return fp8_groups(groups, self.model_config) if self.fp8_kv else groups
 
     def _allocate_kv_cache(self) -> int:
-        """One paged tensor per KV cache group; returns group 0's block count (the sliding
-        groups' are ``window_blocks``)."""
+        """One paged tensor per KV cache group; returns group 0's block count."""
         self.kv_groups = self._kv_groups()
         num_blocks = self.config.num_kv_blocks
         budget = self.config.kv_cache_bytes
@@ -286,7 +290,7 @@ class ModelRunner:
             pos.extend(range(start, end))
             table = req.block_table
             slots.extend(self._slot(table, p, req.cached_until) for p in range(start, end))
-            decode = num_new == 1 or verifies[i] or self.config.deterministic  # a row each
+            decode = num_new == 1 or verifies[i] or self.rows_as_decode  # a row each
             steps.append(StepRows(req, start, end, row, decode))
             if decode:
                 decode_tables.extend(table[: -(-p // bs)] for p in range(start + 1, end + 1))
@@ -303,7 +307,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_lens),
-            decode_block_tables=self._tensor(_pad(decode_tables, width)),
+            decode_block_tables=self._tensor([t + [0] * (width - len(t)) for t in decode_tables]),
             decode_context_lens=self._tensor(decode_lens),
             prefills=prefills,
             verify=any(verifies) or len(decode_lens) > len(steps),  # rows of one sequence
@@ -361,10 +365,6 @@ def _has_images(batch: ScheduledBatch) -> bool:
         req.images and touches_images(req, req.num_computed_tokens, req.num_computed_tokens + n)
         for req, n in zip(batch.requests, batch.num_new_tokens)
     )
-
-
-def _pad(tables: list[list[int]], width: int) -> list[list[int]]:
-    return [t + [0] * (width - len(t)) for t in tables]
 
 
 _RANDOM_INITS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_")

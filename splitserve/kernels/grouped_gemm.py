@@ -163,6 +163,11 @@ def choose_fp8_tiles(num_rows: int, num_experts: int, n: int, quantized: bool) -
     return GemmTiles(64, 128, BLOCK, num_warps=4, num_stages=3)
 
 
+INVARIANT_TILES = GemmTiles(64, 64, 128, num_stages=4)
+"""Deterministic mode's tiling at every row count (``choose_tiles`` picks BLOCK_M by the rows
+routed, and an MMA's sums may differ between tile heights): the prefill tile, no split-K."""
+
+
 def grouped_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -142,3 +142,36 @@ def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
         BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _ordered_combine_kernel(
+    rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < hidden
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for slot in tl.static_range(TOP_K):
+        weight = tl.load(weights_ptr + token * TOP_K + slot)
+        row = tl.load(rows_ptr + (token * TOP_K + slot) * hidden + h, mask=mask, other=0.0)
+        acc += row.to(tl.float32) * weight
+    tl.store(out_ptr + token * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def ordered_combine(
+    sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``combine`` for any number of rows with each token's slots added one after the other,
+    in slot order, in float32 (deterministic mode: the same additions at any batch, where
+    ``combine``'s reduction tree and torch's past MAX_PERMUTE_PAIRS differ)."""
+    tokens, top_k = weights.shape
+    hidden = sorted_out.shape[1]
+    unsorted = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    out = torch.empty((tokens, hidden), dtype=sorted_out.dtype, device=sorted_out.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _ordered_combine_kernel[(tokens, triton.cdiv(hidden, block))](
+            unsorted, weights.float().contiguous(), out, hidden, TOP_K=top_k, BLOCK_H=block
+        )
+    return out

@@ -136,7 +136,9 @@ def _packed(layer: nn.Linear) -> torch.Tensor | None:
 
 
 def set_row_tiles(layer: nn.Linear) -> None:
-    """The layer's products become batch-invariant (deterministic mode): ``tiled_linear``."""
+    """The layer's products become batch-invariant (deterministic mode): ``tiled_linear`` on
+    the CPU, the Triton kernel of ``kernels/invariant_matmul.py`` on the kernels
+    (``linear.dense``)."""
     object.__setattr__(layer, _TILED, True)
 
 

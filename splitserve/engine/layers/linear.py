@@ -37,14 +37,17 @@ beside Llama-3-8B's 50 MB q|k|v (14.2 us folded against 14.9 with the norm kerne
 gate|up (54.7 against 55.5); without PDL it did not (21.6 against 20.2 for q|k|v)."""
 
 
-def _weight_bytes(layer: nn.Linear) -> int:
+def _weight_bytes(layer: nn.Linear | Fp8Linear) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
 def _one_row(x: torch.Tensor, layer: nn.Module) -> bool:
+    """Whether this one-row step takes the GEMV (never in deterministic mode: one kernel for
+    every row count)."""
     return (
         x.shape[0] == 1
         and isinstance(layer, (nn.Linear, Fp8Linear))
+        and not row_tiled(layer)
         and use_kernels(x)
         and decode_path() != "separate"
         and _weight_bytes(layer) <= GEMV_MAX_BYTES
@@ -53,15 +56,22 @@ def _one_row(x: torch.Tensor, layer: nn.Module) -> bool:
 
 def dense(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """layer(x): the layer itself for quantized blocks (``block_linear.py``) and bfloat16
-    weights (``bf16_linear.py``), fixed row tiles in deterministic mode, oneDNN with a packed
+    weights (``bf16_linear.py``), in deterministic mode the batch-invariant product (the Triton
+    kernel of ``invariant_matmul.py``, fixed row tiles on the CPU), oneDNN with a packed
     weight for float32 on the CPU where measured faster (``cpu_gemm.py``), else the layer
     itself (cuBLAS on CUDA, MKL on the CPU)."""
     if not isinstance(layer, nn.Linear):
         return layer(x)
     if row_tiled(layer):
-        return tiled_linear(x, layer)
+        return _invariant(x, layer) if use_kernels(x) else tiled_linear(x, layer)
     out = onednn_linear(x, layer)
     return layer(x) if out is None else out
+
+
+def _invariant(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    from splitserve.kernels.invariant_matmul import invariant_matmul  # Triton is optional
+
+    return invariant_matmul(x, layer.weight, layer.bias)
 
 
 def _gemv(

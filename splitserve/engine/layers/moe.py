@@ -91,10 +91,17 @@ def permute(experts: torch.Tensor, num_experts: int) -> Permutation:
     return Permutation(order, order // experts.shape[1], offsets)
 
 
-def combine(sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(
+    sorted_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, invariant: bool = False
+) -> torch.Tensor:
     """[T * top_k, H] rows, row i that of flat (token, slot) ``order[i]`` -> [T, H]: each
     token's rows times their weights, summed in float32 over its slots, in slot order. On the
-    kernels, a decode step's in one launch (``kernels/moe_route.py``)."""
+    kernels, a decode step's in one launch (``kernels/moe_route.py``); invariant
+    (deterministic mode): every step's in one order (``ordered_combine``)."""
+    if invariant and use_kernels(sorted_out):
+        from splitserve.kernels.moe_route import ordered_combine
+
+        return ordered_combine(sorted_out, order, weights)
     if sorted_out.shape[0] and use_kernels(sorted_out):
         from splitserve.kernels.moe_route import MAX_PERMUTE_PAIRS
         from splitserve.kernels.moe_route import combine as kernel
@@ -114,17 +121,20 @@ def grouped_gemm(
     weight: ExpertWeight,
     offsets: torch.Tensor,
     rows: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Row r of the result is x[rows[r]] (x[r] when rows is None) times weight[e].T for the
-    expert e whose [offsets[e], offsets[e + 1]) holds r; weight: [E, N, K]."""
+    expert e whose [offsets[e], offsets[e + 1]) holds r; weight: [E, N, K]. invariant
+    (deterministic mode): the kernel's tiles fixed (``INVARIANT_TILES``)."""
     if isinstance(weight, BlockFp8):
         from splitserve.engine.layers.fp8_linear import fp8_grouped
 
         return fp8_grouped(x, weight, offsets, rows)
     if use_kernels(x):
+        from splitserve.kernels.grouped_gemm import INVARIANT_TILES
         from splitserve.kernels.grouped_gemm import grouped_gemm as kernel
 
-        return kernel(x, weight, offsets, rows)
+        return kernel(x, weight, offsets, rows, INVARIANT_TILES if invariant else None)
     gathered = x if rows is None else x[rows]
     out = torch.empty((gathered.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
     bounds = offsets.tolist()
@@ -145,11 +155,13 @@ def experts_forward(
     routing: Routing,
     perm: Permutation,
     act: Activation = silu_and_mul,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """The routed SwiGLU experts of tokens x [T, H]: w13 [E, 2I, H] (gate | up), w2 [E, H, I]."""
-    gate_up = grouped_gemm(x, w13, perm.offsets, perm.rows)
-    down = grouped_gemm(act(gate_up), w2, perm.offsets)
-    return combine(down, perm.order, routing.weights)
+    """The routed SwiGLU experts of tokens x [T, H]: w13 [E, 2I, H] (gate | up), w2 [E, H, I];
+    invariant: deterministic mode's fixed tiles and combine order."""
+    gate_up = grouped_gemm(x, w13, perm.offsets, perm.rows, invariant)
+    down = grouped_gemm(act(gate_up), w2, perm.offsets, invariant=invariant)
+    return combine(down, perm.order, routing.weights, invariant)
 
 
 def distributed_experts(
@@ -194,6 +206,8 @@ class SparseMoE(nn.Module):
         nn.init.uniform_(self.w2, -1 / math.sqrt(inter), 1 / math.sqrt(inter))
         self.expert_load: torch.Tensor
         self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64), False)
+        self.invariant = False
+        """Deterministic mode on the kernels (``batch_invariant_kernels.py``)."""
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -216,7 +230,7 @@ class SparseMoE(nn.Module):
         w13, w2 = self.expert_weights()
         if self.ep is not None:
             return distributed_experts(self.ep, h, routing, w13, w2, self.act)
-        return experts_forward(h, w13, w2, routing, perm, self.act)
+        return experts_forward(h, w13, w2, routing, perm, self.act, self.invariant)
 
     def expert_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """w13 and w2, with their block scales where they are FP8 (``layers/fp8_linear.py``
