@@ -25,10 +25,10 @@ else
         --batch-sizes 1,64,256 --input-len 256 --output-len 64 --prefill-len 8192)
     result="$OUT/h200-${SHAPE%%\?*}.json"
 fi
-step timeout 100 "$PY" -m benchmarks.kernels.v4_decode "${kernels[@]}"
+step timeout 120 "$PY" -m benchmarks.kernels.v4_decode "${kernels[@]}"
 offline=("$PY" -m splitserve.cli bench offline --no-baseline --shape "$SHAPE" "${engine[@]}")
 echo "== ${offline[*]} --result-file $result"
-if ! timeout 200 "${offline[@]}" --result-file "$result"; then
+if ! timeout 180 "${offline[@]}" --result-file "$result"; then
     # V4's decode steps in CUDA graphs have not run on a GPU before this script: if they
     # fail, the same run eagerly (no graphs, no overlapped steps)
     echo "!! failed; again without CUDA graphs"
