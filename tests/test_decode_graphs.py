@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.cuda_graphs import DecodeGraphs, bucket_sizes
+from splitserve.engine.cuda_graphs import DecodeGraphs, WindowGroup, bucket_sizes
+from splitserve.engine.kv_groups import StepRows, window_metadata
 from splitserve.engine.spec.config import SpeculativeConfig
 
 PROMPTS = ["Once upon a time", "The recipe needs", "Rust or Go? " * 5, "1 2 3", "Dear Sir,"]
@@ -129,6 +130,40 @@ def test_fill_lays_a_verify_step_out_as_a_decode_row_per_draft() -> None:
     assert inputs.tables.tolist() == [[5, 7], [3, 6], [3, 6], [3, 6]]
     drafted.draft_token_ids = [23, 24, 25, 26, 27, 28, 29]  # 1 + 8 rows: more than captured
     assert not graphs.fits(SimpleNamespace(requests=[plain, drafted], num_new_tokens=[1, 8]))  # type: ignore[arg-type]
+
+
+def test_fill_gives_each_window_group_the_rows_of_its_window_metadata() -> None:
+    """A window of 8 in blocks of 4 (tables 3 wide, scratch block 11): rows at contexts 10,
+    14 (its window from block 1) and 6 (``window_from`` 4) as ``window_metadata`` makes them,
+    the padded row on the scratch block."""
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), max_blocks_per_seq=4, block_size=4, scratch_block=9
+    )
+    windows = [WindowGroup.of(8, 4, 11)]
+    graphs = DecodeGraphs(runner, 4, capture=False, windows=windows)  # type: ignore[arg-type]
+    requests = [
+        SimpleNamespace(
+            num_computed_tokens=p,
+            num_pending=0,
+            block_table=[1, 2, 3, 4],
+            all_token_ids=list(range(p + 1)),
+            draft_token_ids=[],
+            window_tables=[table],
+            window_from=start,
+        )
+        for p, table, start in ((9, [20, 21, 22], 0), (13, [11, 30, 31, 32], 0), (5, [11, 41], 4))
+    ]
+    graphs._fill(SimpleNamespace(requests=requests), 4, None)  # type: ignore[arg-type]
+    got = graphs.inputs[4].windows[0]
+    assert got.slots.tolist() == [22 * 4 + 1, 32 * 4 + 1, 41 * 4 + 1, 11 * 4]
+    assert got.lens.tolist() == [10, 10, 2, 1]
+    assert got.tables.tolist() == [[20, 21, 22], [30, 31, 32], [41, 11, 11], [11, 11, 11]]
+    steps = [StepRows(r, r.num_computed_tokens, r.num_computed_tokens + 1, i, True)  # type: ignore[arg-type]
+             for i, r in enumerate(requests)]  # fmt: skip
+    meta = window_metadata(steps, 1, 8, 4, lambda values: torch.tensor(values), False)
+    assert meta.slot_mapping.tolist() == got.slots.tolist()[:3]
+    assert meta.decode_context_lens.tolist() == got.lens.tolist()[:3]
+    assert meta.decode_block_tables.tolist() == [[20, 21, 22], [30, 31, 32], [41, 0, 0]]
 
 
 @pytest.mark.slow

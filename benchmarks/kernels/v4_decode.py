@@ -14,8 +14,9 @@ and the kernels' share of the bandwidth bound (``read_bytes`` at 4.24 TB/s, the 
 measured copy bandwidth, docs/performance.md).
 Every row is ``context`` tokens long; group 0's rows are as wide as V4-Flash's (3,292
 values), its blocks drawn from a pool of at most 8 GB (rows then share blocks). Written to
-$OUT/v4-decode.json when OUT is set; exits 1 when a check fails. ``--smoke`` runs the tiny
-test shape on the CPU (with TRITON_INTERPRET=1) to check the script itself.
+$OUT/v4-decode.json when OUT is set, after each case (a run cut short keeps what it did);
+exits 1 when a check fails. ``--smoke`` runs the tiny test shape on the CPU (with
+TRITON_INTERPRET=1) to check the script itself.
 """
 
 from __future__ import annotations
@@ -172,8 +173,10 @@ def main() -> int:
                 ok &= line["ok"]
                 print(json.dumps(line), flush=True)
                 lines.append(line)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "v4-decode.json").write_text(json.dumps(lines, indent=1))
+                if os.environ.get("OUT"):  # after each case: a run cut short keeps its lines
+                    Path(os.environ["OUT"], "v4-decode.json").write_text(
+                        json.dumps(lines, indent=1)
+                    )
     return 0 if ok else 1
 
 

@@ -91,6 +91,7 @@ def engine_throughput(
         "decode_tokens": window.tokens,
         "decode_tokens_before_window": window.tokens_before,
         "decode_mean_context": context,
+        "decode_step_bytes": step_bytes,
         "decode_s": window.seconds,
         "decode_tokens_per_s": window.tokens / window.seconds,
         "mbu_decode": bytes_per_s / ceilings.bandwidth_bytes_per_s,

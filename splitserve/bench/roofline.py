@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.bench import v4_roofline
 from splitserve.engine.layers.bf16_linear import Bf16Linear
 from splitserve.engine.model_config import ModelConfig
 
@@ -89,7 +90,10 @@ def _onednn_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def matmul_params(cfg: ModelConfig, experts: float | None = None) -> int:
     """Weights touched by the transformer layers' matmuls (embeddings excluded). MoE layers
-    count their router and ``experts`` experts (default: top_k, what one token multiplies)."""
+    count their router and ``experts`` experts (default: top_k, what one token multiplies).
+    DeepSeek-V4's are ``v4_roofline``'s, with its routers and hyper-connection mixes."""
+    if cfg.v4 is not None:
+        return round(v4_roofline.v4_weights(cfg, experts).matmul) + v4_roofline.mixes(cfg)
     attention = attention_params(cfg)
     dense = 3 * cfg.hidden_size * cfg.intermediate_size
     if cfg.moe is None:
@@ -106,7 +110,10 @@ def matmul_params(cfg: ModelConfig, experts: float | None = None) -> int:
 
 def attention_params(cfg: ModelConfig) -> int:
     """One layer's attention weights: q/k/v/o, or MLA's query path, latent projection,
-    kv_b_proj (W_UK and W_UV, read whole by absorbed decode too) and o_proj."""
+    kv_b_proj (W_UK and W_UV, read whole by absorbed decode too) and o_proj. DeepSeek-V4's
+    differ by the layer's kind: ``v4_roofline.attention_weights``."""
+    if cfg.v4 is not None:
+        raise ValueError("deepseek_v4: a layer's attention weights depend on its kind")
     hidden, mla = cfg.hidden_size, cfg.mla
     if mla is None:
         q = cfg.num_heads * cfg.head_dim
@@ -136,7 +143,10 @@ def weight_bytes(
     """Bytes a decode step of ``batch`` sequences reads: layer weights (of an MoE model the
     experts its tokens are routed to) at ``matmul_element_size`` (default element_size; 1 for
     FP8 weights, whose float32 scales add 1/4096 and are not counted), the LM head and the
-    norms at element_size."""
+    norms at element_size (DeepSeek-V4's float32 parameters at 4 bytes, ``v4_roofline``)."""
+    if cfg.v4 is not None:
+        weights = v4_roofline.v4_weights(cfg, active_experts(cfg, batch))
+        return weights.bytes(element_size, matmul_element_size)
     head = cfg.hidden_size * cfg.vocab_size
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
     experts = active_experts(cfg, batch) if cfg.moe is not None else None
@@ -146,7 +156,10 @@ def weight_bytes(
 
 def kv_bytes_per_token(cfg: ModelConfig, element_size: int, scale_values: int = 0) -> int:
     """K and V of every KV head, or MLA's one latent (and RoPE key), over the layers; each row
-    with ``scale_values`` more slots for its scale (an FP8 cache's 4, engine/layers/fp8_kv.py)."""
+    with ``scale_values`` more slots for its scale (an FP8 cache's 4, engine/layers/fp8_kv.py).
+    DeepSeek-V4: the compressed entries' share of a token (``v4_roofline``)."""
+    if cfg.v4 is not None:
+        return v4_roofline.kv_bytes_per_token(cfg, element_size)
     if cfg.mla is not None:
         return cfg.num_layers * (cfg.mla.latent_dim + scale_values) * element_size
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + scale_values) * element_size
@@ -164,11 +177,14 @@ def decode_step_bytes(
     """Weights (``weights`` bytes as held, e.g. GGUF blocks; else weight_bytes; for an MoE
     model always weight_bytes, which counts only the experts the batch's tokens are routed
     to, its projections at ``matmul_element_size``) plus the batch's KV: ``kv`` = (element
-    size, scale slots per row) of the cache, default (element_size, 0)."""
+    size, scale slots per row) of the cache, default (element_size, 0). A DeepSeek-V4 row
+    reads its window and the entries it attends to or scores (``v4_roofline``)."""
     moe = cfg.moe is not None
     if weights is None or moe:
         weights = weight_bytes(cfg, element_size, batch, matmul_element_size)
     kv_element, scale_values = kv or (element_size, 0)
+    if cfg.v4 is not None:
+        return weights + batch * v4_roofline.kv_read_per_row(cfg, kv_element, context)
     return weights + batch * context * kv_bytes_per_token(cfg, kv_element, scale_values)
 
 
@@ -188,6 +204,8 @@ def held_weight_bytes(model: torch.nn.Module) -> int:
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     """FLOPs of one causal prefill of `tokens` tokens (logits for the last token only)."""
+    if cfg.v4 is not None:
+        return v4_roofline.prefill_flops(cfg, tokens)
     linear = 2.0 * matmul_params(cfg) * tokens + 2.0 * cfg.hidden_size * cfg.vocab_size
     mla = cfg.mla
     dims = 2 * cfg.head_dim if mla is None else mla.qk_head_dim + mla.v_head_dim

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.cuda_graphs import DecodeGraphs, window_groups
 from splitserve.engine.kv_cache_spec import KVCacheGroup
 from splitserve.engine.kv_groups import StepRows, pool_sizes, window_metadata
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
@@ -83,25 +83,25 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_seconds = warm_up(self, config.max_num_seqs, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
-        # An expert-parallel step reads its exchange's row counts on the host: no graphs, no
-        # overlapped steps (engine/expert_parallel.py); nor a model whose steps read the host,
-        # nor window groups (their tables are not in the graphs' inputs).
-        eager = (
-            config.expert_parallel_size > 1 or not self.model.graph_safe or len(self.kv_groups) > 1
-        )
+        # No graphs, no overlapped steps: expert parallelism (its exchange's row counts on the
+        # host), a model not graph safe, window groups unless the model checked them in graphs.
+        windowed = len(self.kv_groups) > 1 and not self.model.window_graphs
+        eager = config.expert_parallel_size > 1 or not self.model.graph_safe or windowed
+        windows = window_groups(self.kv_groups, self.block_size, self.window_blocks)
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not eager:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
             spec = config.speculative
             rows = config.max_num_seqs * (1 + spec.num_speculative_tokens) if spec else 0
             verify_rows = min(config.cuda_graph_max_batch, rows)
-            self.graphs = DecodeGraphs(self, max_batch, capture=True, verify_rows=verify_rows)
+            self.graphs = DecodeGraphs(self, max_batch, True, verify_rows, windows)
         overlap = config.overlap_scheduling and not eager
         if config.overlap_scheduling is None:
             overlap = self.device.type == "cuda" and not eager
         self.overlapped: DecodeGraphs | None = None
         """Where overlapped decode steps run: the graphs, or the same inputs run eagerly."""
         if overlap:
-            self.overlapped = self.graphs or DecodeGraphs(self, config.max_num_seqs, False)
+            seqs = config.max_num_seqs
+            self.overlapped = self.graphs or DecodeGraphs(self, seqs, False, 0, windows)
 
     def _build_model(self, weights_path: str | None) -> LlamaForCausalLM:
         cfg = self.model_config

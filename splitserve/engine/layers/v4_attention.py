@@ -33,7 +33,12 @@ from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.v4_cache import LayerCache
 from splitserve.engine.layers.v4_compressor import Compressor
-from splitserve.engine.layers.v4_decode import decode_kernels, held_entries, sink_attention
+from splitserve.engine.layers.v4_decode import (
+    closing_windows,
+    decode_kernels,
+    held_entries,
+    sink_attention,
+)
 from splitserve.engine.model_config import ModelConfig
 from splitserve.kernels.dispatch import use_kernels
 
@@ -77,13 +82,16 @@ class QueryGroup:
     context_len: int
 
 
-def query_groups(meta: AttentionMetadata) -> list[QueryGroup]:
-    """Each decode row alone, then each prefill chunk."""
-    lens = meta.decode_context_lens.tolist()
-    groups = [
-        QueryGroup(slice(i, i + 1), meta.decode_block_tables[i], length)
-        for i, length in enumerate(lens)
-    ]
+def query_groups(meta: AttentionMetadata, decodes: bool = True) -> list[QueryGroup]:
+    """Each decode row alone (unless not ``decodes``: their lengths stay on the device),
+    then each prefill chunk."""
+    groups = []
+    if decodes:
+        lens = meta.decode_context_lens.tolist()
+        groups = [
+            QueryGroup(slice(i, i + 1), meta.decode_block_tables[i], length)
+            for i, length in enumerate(lens)
+        ]
     groups += [
         QueryGroup(slice(s.start, s.start + s.length), s.block_table, s.context_len)
         for s in meta.prefills
@@ -161,15 +169,14 @@ class V4Attention(nn.Module):
             state = torch.cat(rows[1:], dim=-1)
             self.state_cache.flatten(0, 1).index_copy_(0, state_meta.slot_mapping, state)
         out = torch.empty_like(q)
-        steps = list(zip(query_groups(key_meta), query_groups(state_meta), query_groups(meta)))
         n = meta.num_decode_tokens
-        if n and self.kernel and use_kernels(q):
+        kernels = bool(n) and self.kernel and use_kernels(q)
+        if kernels:  # the decode rows in one batch, their lengths read on the device only
             if self.compressor is not None:
-                for _, pooled, whole in steps[:n]:
-                    self.pool(pooled, meta.slot_mapping[whole.rows], whole)
+                self.pool_decodes(meta, state_meta)
             out[:n] = self.decode(q[:n], x[:n], q_residual[:n], positions[:n], meta)
-            steps = steps[n:]
-        for near, pooled, whole in steps:
+        groups = (query_groups(m, not kernels) for m in (key_meta, state_meta, meta))
+        for near, pooled, whole in zip(*groups):
             r = whole.rows
             slots = meta.slot_mapping[r]
             views = (near, pooled, whole)
@@ -241,7 +248,6 @@ class V4Attention(nn.Module):
         """The entries of the windows this group's tokens close, pooled from the state rows
         and written to group 0, but for tokens whose group-0 slot is the scratch block (a
         replay of a cached prefix, whose entries are in the cache)."""
-        assert self.compressor is not None
         rate, end = self.rate, whole.context_len
         start = end - slots.shape[0]
         block_size = self.entry_cache.shape[1]
@@ -249,18 +255,44 @@ class V4Attention(nn.Module):
         closing = (windows + 1) * rate - 1
         scratch = self.entry_cache.shape[0] - 1
         windows = windows[slots[closing - start] // block_size != scratch]
-        table = whole.block_table
         if windows.numel():
             state = self.state_cache[pooled.block_table].flatten(0, 1)[: pooled.context_len]
             base = end - pooled.context_len
-            parts = [self.compressor.pool(state[:, self.layout.state_part(0)], windows, base)]
-            if self.indexer is not None:
-                part = self.layout.state_part(1)
-                parts.append(self.indexer.compressor.pool(state[:, part], windows, base))
-            pieces = torch.cat(parts, dim=-1).view(-1, self.layout.piece)
+            offsets = torch.arange(rate - self.layout.reach, rate, device=slots.device)
+            rows = state[(windows[:, None] * rate + offsets - base).clamp(min=0)]
             where = (windows[:, None] * rate + torch.arange(rate, device=slots.device)).flatten()
+            table = whole.block_table
             flat = self.entry_cache.flatten(0, 1)
-            flat[table[where // block_size] * block_size + where % block_size] = pieces
+            flat[table[where // block_size] * block_size + where % block_size] = self.pieces(
+                rows, windows
+            )
+
+    def pool_decodes(self, meta: AttentionMetadata, state_meta: AttentionMetadata) -> None:
+        """``pool`` for the step's decode rows at once, in fixed shapes: every row pools the
+        window its position would close; a row that closes none, or whose group-0 slot is
+        the scratch block, writes its entry to the scratch block."""
+        n, rate = meta.num_decode_tokens, self.rate
+        lens = meta.decode_context_lens[:n]
+        windows, rows = closing_windows(self.state_cache, state_meta, lens, rate, self.layout.reach)
+        block_size = self.entry_cache.shape[1]
+        scratch = self.entry_cache.shape[0] - 1
+        closes = (lens % rate == 0) & (meta.slot_mapping[:n] // block_size != scratch)
+        tables = meta.decode_block_tables[:n]
+        where = windows[:, None] * rate + torch.arange(rate, device=lens.device)
+        blocks = tables.gather(1, (where // block_size).clamp(max=tables.shape[1] - 1))
+        blocks = torch.where(closes[:, None], blocks, scratch)
+        flat = self.entry_cache.flatten(0, 1)
+        flat[(blocks * block_size + where % block_size).flatten()] = self.pieces(rows, windows)
+
+    def pieces(self, rows: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """The pieces [n * rate, piece] of ``windows`` [n]'s entries (and index keys), pooled
+        from each one's state rows [n, reach, state_width]."""
+        assert self.compressor is not None
+        parts = [self.compressor.pool_windows(rows[..., self.layout.state_part(0)], windows)]
+        if self.indexer is not None:
+            part = self.layout.state_part(1)
+            parts.append(self.indexer.compressor.pool_windows(rows[..., part], windows))
+        return torch.cat(parts, dim=-1).view(-1, self.layout.piece)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with

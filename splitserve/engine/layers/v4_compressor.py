@@ -54,17 +54,24 @@ class Compressor(nn.Module):
     def pool(self, rows: torch.Tensor, windows: torch.Tensor, base: int = 0) -> torch.Tensor:
         """The entries [n, dim] of ``windows`` [n] from the rows [C, row_width] of positions
         ``base`` .. ``base + C - 1`` (every window's tokens among them)."""
+        reach = 2 * self.rate if self.overlap else self.rate
+        offsets = torch.arange(self.rate - reach, self.rate, device=rows.device)
+        slots = (windows[:, None] * self.rate + offsets - base).clamp(min=0)
+        return self.pool_windows(rows[slots], windows)
+
+    def pool_windows(self, rows: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """The entries [n, dim] of ``windows`` [n] from each one's rows [n, reach, row_width]:
+        its ``rate`` tokens' (CSA: after the ``rate`` of the window before, whatever they hold
+        for window 0)."""
         rate, dim = self.rate, self.dim
-        slots = windows[:, None] * rate + torch.arange(rate, device=rows.device) - base
-        kv = rows[slots, : self.width]
-        gate = rows[slots, self.width :].float() + self.position_bias
+        kv = rows[:, -rate:, : self.width]
+        gate = rows[:, -rate:, self.width :].float() + self.position_bias
         if self.overlap:
-            earlier = (slots - rate).clamp(min=0)  # window 0 has no earlier one (base 0)
-            first = windows[:, None, None] > 0
-            kv_a = torch.where(first, rows[earlier, :dim], 0.0)
-            gate_a = (
-                rows[earlier, self.width : self.width + dim].float() + self.position_bias[:, :dim]
-            )
+            earlier = rows[:, :rate]
+            first = windows[:, None, None] > 0  # window 0 has no earlier one
+            kv_a = torch.where(first, earlier[..., :dim], 0.0)
+            bias = self.position_bias[:, :dim]
+            gate_a = earlier[..., self.width : self.width + dim].float() + bias
             gate_a = torch.where(first, gate_a, -torch.inf)
             kv = torch.cat([kv_a, kv[..., dim:]], dim=1)
             gate = torch.cat([gate_a, gate[..., dim:]], dim=1)

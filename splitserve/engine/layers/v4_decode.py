@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention's decode rows in one batch (``layers/v4_attention.py``): the
 softmax with sinks and the entries' gather that its torch path uses, the torch reference of
-``kernels/v4_decode.py`` built from them (a row at a time), and the launches of the
-kernels (the lightning indexer's, then the attention's) for a step's decode rows."""
+``kernels/v4_decode.py`` built from them (a row at a time), the state rows of the windows a
+step's decode rows close (gathered in fixed shapes), and the launches of the kernels (the
+lightning indexer's, then the attention's) for those rows."""
 
 from __future__ import annotations
 
@@ -67,6 +68,30 @@ def held_entries(
     block_size, piece = entry_cache.shape[1], entry_cache.shape[2]
     held = entry_cache[table[: -(-count * rate // block_size)]].flatten(0, 1)
     return held[: count * rate].reshape(count, rate * piece)
+
+
+def closing_windows(
+    state_cache: torch.Tensor,
+    state_meta: AttentionMetadata,
+    lens: torch.Tensor,
+    rate: int,
+    reach: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For decode rows whose contexts are lens [n]: the window each one's position closes if
+    any (lens // rate - 1, at least 0) and its state rows [n, reach, width], those of
+    positions (window + 1) * rate - reach .. (window + 1) * rate - 1, read from state_cache
+    [blocks, block_size, width] through the state group's tables (state_meta), whose first
+    row is at position lens - the group's context length. Positions off a row's table read
+    one of its rows instead: fixed shapes, and no length goes to the host."""
+    n, block_size = lens.shape[0], state_cache.shape[1]
+    windows = (lens // rate - 1).clamp(min=0)
+    offsets = torch.arange(rate - reach, rate, device=lens.device)
+    positions = windows[:, None] * rate + offsets
+    first = lens - state_meta.decode_context_lens[:n]
+    tables = state_meta.decode_block_tables[:n]
+    rows = (positions - first[:, None]).clamp(0, tables.shape[1] * block_size - 1)
+    blocks = tables.gather(1, rows // block_size)
+    return windows, state_cache[blocks, rows % block_size]
 
 
 def decode_kernels(

@@ -34,6 +34,7 @@ from splitserve.engine.models.deepseek_v4_names import module_weights
 from splitserve.engine.models.mixtral import MixtralForCausalLM, moe
 from splitserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from splitserve.engine.v4_config import V4Config
+from splitserve.kernels.dispatch import use_kernels
 
 _INDEXER_COMPRESSOR = ("kv_proj", "gate_proj", "position_bias", "kv_norm")
 
@@ -71,9 +72,7 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(MixtralForCausalLM):
-    graph_safe = False
-    """The attention loops over the step's queries on the host (on the kernels, over the
-    decode rows' closing windows)."""
+    window_graphs = True
     mtp_architecture = "deepseek_v4_mtp"
     keep_hidden_states = False
     """Keep each step's residual streams [T, n, H] before the head's collapse in
@@ -90,6 +89,11 @@ class DeepseekV4ForCausalLM(MixtralForCausalLM):
         v4 = v4_config(cfg)
         self.hc_head = HyperHead(cfg.hidden_size, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps)
         self.streams = v4.hc_mult
+        self.graph_safe = uses_kernels(backend) and use_kernels(self.embed_tokens.weight)
+        """A decode step reads nothing on the host where its attention's decode rows take
+        the kernels (the "triton" backend on CUDA): they pool the windows they close and
+        attend in fixed shapes (``V4Attention.pool_decodes``). The torch path walks the
+        step's queries on the host."""
 
     def build_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
         return V4DecoderLayer(cfg, index, self.ep, uses_kernels(backend))

@@ -119,6 +119,10 @@ class LlamaForCausalLM(nn.Module):
     graph_safe = True
     """A decode step reads nothing back to the host: it can be captured in a CUDA graph and
     overlapped with the next step's scheduling."""
+    window_graphs = False
+    """Decode steps in sliding-window KV cache groups run from the graphs' inputs too
+    (``cuda_graphs.WindowGroup``): checked for DeepSeek-V4 only, so the others stay eager
+    with window groups."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
