@@ -4,10 +4,13 @@ and acceptance estimates, and the speculator's use of them."""
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Callable
 
 import pytest
+import torch
 
+from splitserve.engine import warm_up
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.spec import speculator as module
@@ -207,3 +210,24 @@ def test_the_curve_is_timed_at_every_small_row_count_and_sparser_above() -> None
     assert rows_to_time(5) == [1, 2, 3, 4, 5]
     assert rows_to_time(72)[22:] == [23, 24, 32, 40, 48, 56, 64, 72]
     assert rows_to_time(2304)[-3:] == [204, 229, 256]  # MOST_TIMED_ROWS; then its slope
+
+
+def test_the_curve_keeps_each_count_fastest_pass_and_a_stall_hits_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each row count is run untimed, then timed once a pass, passes in alternate order: a
+    burst of other work (here the second and third timed runs) stalls different counts in
+    each pass, and every count keeps a run from outside it."""
+    run: list[int] = []
+    now = [0.0]
+
+    def forward(runner: object, rows: int, width: int, prefills: list[object]) -> None:
+        run.append(rows)
+        now[0] += 0.5 if len(run) in (5, 6) else 0.01 * rows  # runs 5 and 6: a stall
+
+    monkeypatch.setattr(warm_up, "_forward", forward)
+    monkeypatch.setattr(warm_up.time, "perf_counter", lambda: now[0])
+    runner = types.SimpleNamespace(max_blocks_per_seq=4, device=torch.device("cpu"))
+    curve = warm_up.time_decode_rows(runner, 3)  # type: ignore[arg-type]
+    assert run == [1, 2, 3, 1, 2, 3, 3, 2, 1]
+    assert curve == pytest.approx({1: 0.01, 2: 0.02, 3: 0.03})
