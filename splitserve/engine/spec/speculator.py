@@ -110,6 +110,8 @@ class Speculator:
         """Dynamic plan for reqs verifying at most caps drafts; drafting: the drafts are still
         to be made (their passes cost), else they are made and only their rows cost."""
         batch = len(reqs)
+        if not any(caps):  # most steps of free text: no lookup found a draft
+            return caps
         plain = self.overlapped_curve or self.curve
         passes = self.drafter.passes
 
