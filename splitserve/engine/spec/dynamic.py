@@ -2,10 +2,11 @@
 
 Two things are measured as the engine runs. Each request's acceptance (``Acceptance``): a
 posterior over its per-token acceptance rate a, from the request's verifications, each
-weighing less every step (``Evidence``), so that a request that stops quoting its prompt (a
-rejection at the first draft, where a was near 1) drops within a step or two, and one that
-starts again is retried; its prior is what the engine's recent verifications of all requests
-showed, worth a few verifications at most. And the step time per number of rows a step runs
+weighing less every step (``Evidence``), so that one that starts quoting its prompt again is
+retried; its prior is what the engine's recent verifications of all requests showed, worth a
+few verifications at most; and after a verification that kept no draft (a request that stops
+quoting rejects its first draft while its posterior is still sure of a near 1) it verifies
+one draft at most until one is kept. And the step time per number of rows a step runs
 (``StepCurve``): a table timed at start-up on the device itself (engine/warm_up.py),
 corrected online from every real step. The j-th draft of a request is worth E[a**j]
 expected tokens; ``plan_drafts`` adds drafts best first and keeps the count that maximizes
@@ -15,10 +16,11 @@ row costs (compute-bound, or acceptance near zero) it is no drafts at all.
 
 A posterior learns only from drafts that are verified: planned from its mean alone, a request
 whose drafts look no better than the prior is never verified, and never shows otherwise (at
-batch 8 on a CPU, where a row costs three quarters of a token, a request that copied its
-prompt verified no draft: issue 49). So a request's first draft is worth its mean acceptance
-plus one standard deviation (``PROBE_SPREAD``): optimism that costs at most one row a step,
-shrinks as evidence gathers, and is taken only where such a draft would pay for its row.
+batch 8 on the AMD EPYC VM's CPU, where a row costs three quarters of a token, a request that
+copied its prompt verified no draft: issue 49). So a request's first draft is worth its mean
+acceptance plus one standard deviation (``PROBE_SPREAD``): optimism that costs at most one row
+per request and step, shrinks as evidence gathers, and is taken only where such a draft would
+pay for its row.
 """
 
 from __future__ import annotations
