@@ -14,7 +14,8 @@
 # seed, whose drafts a 32-layer random target never accepts; about 1/16 of its step). Random
 # weights take no chat prompt and never copy their context, so the text workloads (copy,
 # grounded, free, mixed) need a real checkpoint: here every workload is `random`, where
-# dynamic verification must stay at plain decoding. About 3 minutes on an H200.
+# dynamic verification must stay at plain decoding. Two runs of five engines (about 90 GB of
+# weights with the drafts), estimated at 3 minutes on an H200.
 # SHAPE and DRAFT override the shapes (a CPU check: DEVICE=cpu SHAPE=tiny-llama
 # DRAFT=shape:tiny-llama?layers=1 PARTS=issue49).
 source "$(dirname "$0")/../gpu_env.sh"
