@@ -3,6 +3,8 @@ config and the counters (the planner: tests/test_spec_dynamic.py)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from splitserve.config import ConfigError, load_config
@@ -23,6 +25,23 @@ def test_ngram_lookup_follows_the_latest_match_of_the_longest_suffix() -> None:
     assert lookup([1, 2, 3, 4], 1, 3, 4) == []
     assert lookup([8, 1, 2, 8], 2, 3, 4) == []  # a one-token match is below prompt_lookup_min
     assert lookup([8, 1, 2, 8], 1, 3, 4) == [1, 2, 8]
+
+
+def _lookup_by_definition(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == tokens[-n:]]
+        if ends:
+            return tokens[ends[-1] : ends[-1] + k]
+    return []
+
+
+def test_ngram_lookup_equals_its_definition_on_repetitive_sequences() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.randint(1, 4)) for _ in range(rng.randint(1, 30))]
+        min_n = rng.randint(1, 3)
+        max_n, k = rng.randint(min_n, 5), rng.randint(1, 6)
+        assert lookup(tokens, min_n, max_n, k) == _lookup_by_definition(tokens, min_n, max_n, k)
 
 
 def test_trim_returns_the_tail_blocks_of_rejected_drafts() -> None:

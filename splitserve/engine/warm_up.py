@@ -147,19 +147,22 @@ def rows_to_time(most_rows: int) -> list[int]:
 
 @torch.inference_mode()
 def time_decode_rows(runner: PagedModel, most_rows: int, repeats: int = 2) -> dict[int, float]:
-    """Seconds of a decode step of each of ``rows_to_time(most_rows)`` rows (the fastest of
-    ``repeats`` after one untimed run), on scratch-block inputs as ``warm_up`` runs them: the
-    step-time curve that dynamic speculation plans with (engine/spec/dynamic.py)."""
+    """Seconds of a decode step of each of ``rows_to_time(most_rows)`` rows, on scratch-block
+    inputs as ``warm_up`` runs them: the step-time curve that dynamic speculation plans with
+    (engine/spec/dynamic.py). Each count is run once untimed, then timed once in each of
+    ``repeats`` passes over all the counts, every other pass in reverse order, and the fastest
+    is kept: other work on the machine only slows a step, and a burst of it stalls the runs
+    timed within it, which passes apart spread over different counts."""
     width = decode_width(MIN_EAGER_WIDTH, runner.max_blocks_per_seq)
-    seconds = {}
-    for rows in rows_to_time(most_rows):
+    counts = rows_to_time(most_rows)
+    for rows in counts:
         _forward(runner, rows, width, [])
-        times = []
-        for _ in range(repeats):
+    seconds: dict[int, float] = {}
+    for repeat in range(repeats):
+        for rows in counts if repeat % 2 == 0 else counts[::-1]:
             start = time.perf_counter()
             _forward(runner, rows, width, [])
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
-            times.append(time.perf_counter() - start)
-        seconds[rows] = min(times)
+            seconds[rows] = min(seconds.get(rows, float("inf")), time.perf_counter() - start)
     return seconds

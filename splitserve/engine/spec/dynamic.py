@@ -1,15 +1,26 @@
 """Dynamic verification: how many drafted tokens each request verifies in a step.
 
 Two things are measured as the engine runs. Each request's acceptance (``Acceptance``): a
-posterior over its per-token acceptance rate a that forgets a little every step, so that a
-request that stops quoting its prompt (a rejection at the first draft, where a was near 1)
-drops within a step or two, and one that starts again is retried. And the step time per
-number of rows a step runs (``StepCurve``): a table timed at start-up on the device itself
-(engine/warm_up.py), corrected online from every real step. The j-th draft of a request is
-worth E[a**j] expected tokens; ``plan_drafts`` adds drafts best first and keeps the count
-that maximizes expected tokens per second of the step, plain decoding (no drafts) included.
-On a curve that is flat at small row counts (memory-bound) that is the best fixed k or more;
-where every row costs (compute-bound, or acceptance near zero) it is no drafts at all.
+posterior over its per-token acceptance rate a, from the request's verifications, each
+weighing less every step (``Evidence``), so that one that starts quoting its prompt again is
+retried; its prior is what the engine's recent verifications of all requests showed, worth a
+few verifications at most; and after a verification that kept no draft (a request that stops
+quoting rejects its first draft while its posterior is still sure of a near 1) it verifies
+one draft at most until one is kept. And the step time per number of rows a step runs
+(``StepCurve``): a table timed at start-up on the device itself (engine/warm_up.py),
+corrected online from every real step. The j-th draft of a request is worth E[a**j]
+expected tokens; ``plan_drafts`` adds drafts best first and keeps the count that maximizes
+expected tokens per second of the step, plain decoding (no drafts) included. On a curve
+that is flat at small row counts (memory-bound) that is the best fixed k or more; where every
+row costs (compute-bound, or acceptance near zero) it is no drafts at all.
+
+A posterior learns only from drafts that are verified: planned from its mean alone, a request
+whose drafts look no better than the prior is never verified, and never shows otherwise (at
+batch 8 on the AMD EPYC VM's CPU, where a row costs three quarters of a token, a request that
+copied its prompt verified no draft: issue 49). So a request's first draft is worth its mean
+acceptance plus one standard deviation (``PROBE_SPREAD``): optimism that costs at most one row
+per request and step, shrinks as evidence gathers, and is taken only where such a draft would
+pay for its row.
 """
 
 from __future__ import annotations
@@ -20,11 +31,17 @@ from collections.abc import Callable
 import numpy as np
 
 ACCEPTANCE_GRID = (0.02, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.97, 0.995)
-"""The per-token acceptance rates a request's posterior is kept over (uniform prior)."""
+"""The per-token acceptance rates a posterior is kept over (uniform before any evidence)."""
 FORGET = 0.1
-"""Each step the posterior moves this much of the way back to the prior: a request can change
-behaviour at any step (quoted text, then free text)."""
+"""Each step, evidence weighs this much less: a request can change behaviour at any step
+(quoted text, then free text)."""
+POOL_WEIGHT = 4.0
+"""The most verifications' worth of evidence that the engine's pool lends a request's prior."""
+PROBE_SPREAD = 1.0
+"""A request's first draft is worth its mean acceptance plus this many standard deviations."""
 _GRID = np.array(ACCEPTANCE_GRID)
+_LOG_ACCEPTED = np.log(_GRID)
+_LOG_REJECTED = np.log1p(-_GRID)
 _POWERS = _GRID[None, :] ** np.arange(1, 17)[:, None]
 """a**j for j = 1..16 (rows) and every a of the grid (columns)."""
 CURVE_RATE_DOWN = 0.4
@@ -38,12 +55,45 @@ CURVE_FORGET = 0.02
 steps stalled by other work priced out of use comes back to the table and is tried again."""
 
 
-class Acceptance:
-    """One request's per-token acceptance rate as a posterior over ``ACCEPTANCE_GRID``. A step
-    that verified d drafts and accepted m of them has likelihood a**m * (1 - a if m < d)."""
+class Evidence:
+    """Verifications as a log-likelihood over ``ACCEPTANCE_GRID``: one that verified d drafts
+    and accepted m has likelihood a**m * (1 - a if m < d). ``fade`` (each step) weighs all of
+    it, and its count of verifications, ``FORGET`` less."""
 
     def __init__(self) -> None:
-        self.weights = np.full(len(ACCEPTANCE_GRID), 1.0 / len(ACCEPTANCE_GRID))
+        self.log = np.zeros(len(ACCEPTANCE_GRID))
+        self.count = 0.0
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.log += num_accepted * _LOG_ACCEPTED
+        if num_accepted < num_drafts:
+            self.log += _LOG_REJECTED
+        self.count += 1.0
+
+    def fade(self) -> None:
+        self.log *= 1 - FORGET
+        self.count *= 1 - FORGET
+
+
+class Acceptance:
+    """One request's per-token acceptance rate: a posterior over ``ACCEPTANCE_GRID`` from its
+    own evidence and a prior from the engine's pool (every request's evidence, tempered to at
+    most ``POOL_WEIGHT`` verifications), which the request adds to as it verifies."""
+
+    def __init__(self, pool: Evidence | None = None) -> None:
+        self.own = Evidence()
+        self.pool = pool
+        self.rejected = False
+        """The last verification accepted no draft: the next verifies one at most."""
+
+    @property
+    def weights(self) -> np.ndarray:
+        log = self.own.log
+        if self.pool is not None and self.pool.count:
+            log = log + self.pool.log * min(1.0, POOL_WEIGHT / self.pool.count)
+        weights = np.exp(log - log.max())
+        normalized: np.ndarray = weights / weights.sum()
+        return normalized
 
     @property
     def rate(self) -> float:
@@ -58,16 +108,28 @@ class Acceptance:
         values: list[float] = (_POWERS[:k] @ self.weights).tolist()
         return values
 
+    def offer(self, k: int) -> list[float]:
+        """What each of the request's next k drafts is worth to the plan: E[a**j], the first
+        raised by ``PROBE_SPREAD`` standard deviations of a (at most a token); only the first
+        after a verification that accepted none (a request that stopped quoting its prompt
+        rejects its first draft before its posterior, sure of a near 1, has moved)."""
+        if k == 0:
+            return []
+        values = self.values(max(k, 2))
+        spread = max(values[1] - values[0] ** 2, 0.0) ** 0.5
+        first = [min(values[0] + PROBE_SPREAD * spread, 1.0)]
+        return first if self.rejected else first + values[1:k]
+
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        posterior = self.weights * _GRID**num_accepted
-        if num_accepted < num_drafts:
-            posterior *= 1 - _GRID
-        self.weights = posterior / posterior.sum()
+        self.own.add(num_drafts, num_accepted)
+        self.rejected = num_accepted == 0
+        if self.pool is not None:
+            self.pool.add(num_drafts, num_accepted)
         self.idle()
 
     def idle(self) -> None:
-        """A step passed: forget a little, toward the prior."""
-        self.weights = (1 - FORGET) * self.weights + FORGET / len(ACCEPTANCE_GRID)
+        """A step passed: the request's evidence weighs a little less."""
+        self.own.fade()
 
 
 class StepCurve:

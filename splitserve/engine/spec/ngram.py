@@ -9,8 +9,6 @@ nothing but the search.
 
 from __future__ import annotations
 
-import numpy as np
-
 from splitserve.engine.request import Request
 from splitserve.engine.spec.drafter import Drafter
 
@@ -35,12 +33,29 @@ class NgramDrafter(Drafter):
 
 def lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
-    ``tokens`` (of min_n..max_n tokens) found before it; [] if none is found."""
-    seq = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return [int(t) for t in seq[start : start + k]]
-    return []
+    ``tokens`` (of min_n..max_n tokens) found before it; [] if none is found.
+
+    Every earlier occurrence of the last token is a candidate, latest first (``list.index``
+    on the reversed list, a scan in C: 5 us on 200 tokens, where a numpy window per n took
+    160 us, 1.5% of a SmolLM2 step on one CPU thread, per request); a candidate's match is
+    counted backwards, and the first to reach max_n, else the latest of the longest, wins."""
+    size = len(tokens)
+    max_n = min(max_n, size - 1)
+    if max_n < min_n:
+        return []
+    reverse, last = tokens[::-1], tokens[-1]
+    best_n, best_end, i = 0, 0, 0
+    while best_n < max_n:
+        try:
+            i = reverse.index(last, i + 1)
+        except ValueError:
+            break
+        end = size - i  # the candidate's match is tokens[end - n : end]
+        n = 1
+        while n < max_n and n < end and tokens[end - n - 1] == tokens[size - n - 1]:
+            n += 1
+        if n > best_n:
+            best_n, best_end = n, end
+    if best_n < min_n:
+        return []
+    return tokens[best_end : best_end + k]

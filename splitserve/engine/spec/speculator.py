@@ -37,7 +37,7 @@ from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.draft_model import DraftModelDrafter
 from splitserve.engine.spec.drafter import Drafter
-from splitserve.engine.spec.dynamic import Acceptance, StepCurve, plan_drafts
+from splitserve.engine.spec.dynamic import Acceptance, Evidence, StepCurve, plan_drafts
 from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
 
@@ -81,6 +81,8 @@ class Speculator:
         self.pass_seconds = 0.0
         """Measured seconds of one drafting pass (a draft model's forward, a lookup)."""
         self.acceptance: dict[str, Acceptance] = {}
+        self.pool = Evidence()
+        """Every request's verifications: the prior of a request's acceptance."""
         self._started = 0.0
         self._drafting = 0.0
         self._last_overlapped: float | None = None
@@ -108,6 +110,8 @@ class Speculator:
         """Dynamic plan for reqs verifying at most caps drafts; drafting: the drafts are still
         to be made (their passes cost), else they are made and only their rows cost."""
         batch = len(reqs)
+        if not any(caps):  # most steps of free text: no lookup found a draft
+            return caps
         plain = self.overlapped_curve or self.curve
         passes = self.drafter.passes
 
@@ -117,7 +121,7 @@ class Speculator:
             drafting_seconds = self.pass_seconds * passes([longest]) if drafting else 0.0
             return self.curve.seconds(batch + drafts) + drafting_seconds
 
-        values = [self._acceptance(r).values(cap) for r, cap in zip(reqs, caps)]
+        values = [self._acceptance(r).offer(cap) for r, cap in zip(reqs, caps)]
         return plan_drafts(values, step_seconds, self.max_rows)
 
     def overlapped(self, tokens: int) -> None:
@@ -179,6 +183,7 @@ class Speculator:
         for req, n in zip(reqs, caps):
             if n == 0 and req.request_id in self.acceptance:
                 self.acceptance[req.request_id].idle()
+        self.pool.fade()
 
     def verify(
         self,
@@ -257,7 +262,10 @@ class Speculator:
         self._acceptance(req).record(num_drafts, num_kept)
 
     def _acceptance(self, req: Request) -> Acceptance:
-        return self.acceptance.setdefault(req.request_id, Acceptance())
+        rate = self.acceptance.get(req.request_id)
+        if rate is None:
+            rate = self.acceptance[req.request_id] = Acceptance(self.pool)
+        return rate
 
     def _room(self, req: Request) -> int:
         """Drafts that cannot overrun max_tokens or the context: one token always follows."""
