@@ -4,19 +4,19 @@ one default `splitserve serve` deployment for the modules that only send it requ
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.gguf_file import read_gguf
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_tokenizer, resolve_model
 from tests.support import keyed_deployment
 from tests.support.disagg import PROMPTS, Reference, reference
+from tests.support.reference import load_gguf_tensors
 from tests.support.server_process import ServerProcess, serve
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -143,16 +143,33 @@ def prompts_reference(smollm2_llm: LLM) -> list[Reference]:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path: str) -> Any:
-    """transformers' own Llama loading the same GGUF file, dequantized to float32."""
-    from transformers import AutoModelForCausalLM
+def hf_smollm2(smollm2_path: str, smollm2_tokenizer: Any) -> Any:
+    """transformers' Llama on the same GGUF file's tensors, dequantized to float32: its config
+    from the file's hyperparameters by transformers' GGUF key table, its special token ids the
+    tokenizer's, the tensors as transformers' GGUF loading puts them (load_gguf_tensors)."""
+    from gguf import MODEL_ARCH
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path),
-        gguf_file=os.path.basename(smollm2_path),
-        dtype=torch.float32,
-    )
-    return model.eval()
+    gguf = read_gguf(smollm2_path)
+    config = {
+        name: gguf.metadata[f"llama.{key}"]
+        for key, name in GGUF_CONFIG_MAPPING["llama"].items()
+        if f"llama.{key}" in gguf.metadata
+    }
+    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in gguf.tensors)
+    tok = smollm2_tokenizer
+    special = ("bos", "eos", "pad", "unk")
+    config |= {f"{s}_token_id": getattr(tok, f"{s}_token_id") for s in special}
+    with no_init_weights():
+        model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    processor = TENSOR_PROCESSORS["llama"](config=config)
+    missing = load_gguf_tensors(model, smollm2_path, MODEL_ARCH.LLAMA, processor)
+    assert missing == ["lm_head.weight"]  # tied to the embeddings
+    model.tie_weights()
+    return model
 
 
 @pytest.fixture(scope="session")
