@@ -46,13 +46,16 @@ def hf_greedy(
     max_new_tokens: int,
     pad_id: int,
     eos_ids: list[int] | None = None,
+    ignore_eos: bool = False,
 ) -> list[list[int]]:
     """Greedy continuations from transformers, one left-padded batch, cut after EOS (the
-    model's generation config's, or ``eos_ids``)."""
+    model's generation config's, or ``eos_ids``), or ``max_new_tokens`` each past any EOS."""
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    eos = {} if eos_ids is None else {"eos_token_id": eos_ids}
+    ends = model.generation_config.eos_token_id if eos_ids is None else eos_ids
+    end_set = set() if ignore_eos else set(ends if isinstance(ends, list) else [ends])
+    eos = {"eos_token_id": None} if ignore_eos else {"eos_token_id": ends}
     with torch.no_grad():
         out = model.generate(
             input_ids=input_ids,
@@ -62,8 +65,6 @@ def hf_greedy(
             pad_token_id=pad_id,
             **eos,
         )
-    ends = model.generation_config.eos_token_id if eos_ids is None else eos_ids
-    end_set = set(ends if isinstance(ends, list) else [ends])
     results = []
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in end_set), len(row))
