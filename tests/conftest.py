@@ -18,7 +18,7 @@ from splitserve.engine.loader import load_tokenizer, resolve_model
 from tests.support import keyed_deployment
 from tests.support.disagg import PROMPTS, Reference, reference
 from tests.support.reference import load_gguf_tensors
-from tests.support.server_process import ServerProcess, serve
+from tests.support.server_process import ServerProcess, serve, stop
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -127,6 +127,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     it alone; they walk only what the tests made since."""
     gc.collect()
     gc.freeze()
+    users = [item for item in session.items if "keyed_server" in getattr(item, "fixturenames", ())]
+    if users:
+        session.config.stash[LAST_KEYED_USER] = users[-1]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The keyed deployment stops after the last test that uses it, not when the session
+    ends: idle, a deployment still takes about 6% of a core (heartbeats, Ray), and its lane
+    ran for minutes after its two modules."""
+    if item is item.config.stash.get(LAST_KEYED_USER, None):
+        server = item.config.stash.get(KEYED_SERVER, None)
+        if server is not None:
+            stop(server)
+
+
+LAST_KEYED_USER = pytest.StashKey[pytest.Item]()
+KEYED_SERVER = pytest.StashKey[ServerProcess]()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -198,9 +215,10 @@ def default_server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="session")
-def keyed_server() -> Iterator[ServerProcess]:
+def keyed_server(pytestconfig: pytest.Config) -> Iterator[ServerProcess]:
     """The keyed deployment (tests/support/keyed_deployment.py), started once for the two
     modules that send it requests (test_api_errors, test_api_responses_messages), which run
-    in the same lane."""
+    in the same lane; stopped after the last of their tests (pytest_runtest_teardown)."""
     with serve(*keyed_deployment.SETTINGS, flags=keyed_deployment.FLAGS) as server:
+        pytestconfig.stash[KEYED_SERVER] = server
         yield server
