@@ -93,12 +93,33 @@ LATE_MODULES = frozenset(
 )
 
 
+SHARED_SERVERS = ("default_server", "keyed_server")
+"""The session's shared deployments. Idle, one still takes about 6% of a core (heartbeats,
+its Ray): each is stopped after the last test that uses it (pytest_runtest_teardown), and
+the modules that use one run before the others of their lane."""
+BY_NAME = {"test_observability": "default_server", "test_structured_api": "default_server"}
+"""Modules that take a shared deployment by name (``request.getfixturevalue``), which their
+tests' fixture names do not show."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _module_name(item) in PROCESS_MODULES:
             item.add_marker(pytest.mark.processes)
-    items.sort(key=lambda item: _module_name(item) in LATE_MODULES)  # stable: else unchanged
+    sharing = {_module_name(item) for item in items if _shared_servers(item)}
+
+    def order(item: pytest.Item) -> tuple[bool, bool]:
+        """Stable: else unchanged. Whole modules move: their module fixtures start once."""
+        return _module_name(item) in LATE_MODULES, _module_name(item) not in sharing
+
+    items.sort(key=order)
+
+
+def _shared_servers(item: pytest.Item) -> set[str]:
+    names = set(getattr(item, "fixturenames", ())) & set(SHARED_SERVERS)
+    by_name = BY_NAME.get(_module_name(item))
+    return names | {by_name} if by_name else names
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -127,23 +148,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     it alone; they walk only what the tests made since."""
     gc.collect()
     gc.freeze()
-    users = [item for item in session.items if "keyed_server" in getattr(item, "fixturenames", ())]
-    if users:
-        session.config.stash[LAST_KEYED_USER] = users[-1]
+    last = {name: item for item in session.items for name in _shared_servers(item)}
+    session.config.stash[LAST_USERS] = {id(item): name for name, item in last.items()}
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """The keyed deployment stops after the last test that uses it, not when the session
-    ends: idle, a deployment still takes about 6% of a core (heartbeats, Ray), and its lane
-    ran for minutes after its two modules."""
-    if item is item.config.stash.get(LAST_KEYED_USER, None):
-        server = item.config.stash.get(KEYED_SERVER, None)
-        if server is not None:
-            stop(server)
+    """A shared deployment stops after the last test that uses it (SHARED_SERVERS)."""
+    name = item.config.stash.get(LAST_USERS, {}).get(id(item))
+    server = item.config.stash.get(STARTED, {}).get(name or "")
+    if server is not None:
+        stop(server)
 
 
-LAST_KEYED_USER = pytest.StashKey[pytest.Item]()
-KEYED_SERVER = pytest.StashKey[ServerProcess]()
+LAST_USERS = pytest.StashKey[dict[int, str]]()
+STARTED = pytest.StashKey[dict[str, ServerProcess]]()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -205,12 +223,13 @@ def hf_smollm2(smollm2_path: str, smollm2_tokenizer: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def default_server() -> Iterator[ServerProcess]:
+def default_server(pytestconfig: pytest.Config) -> Iterator[ServerProcess]:
     """The default deployment (one prefill and one decode worker), started once for every
     module that only sends it requests and waits until they are done. A module that scales
     it, kills its workers or needs other settings starts its own with ``serve``. This one
     starts its own Ray, exactly as `make serve` does; the others join one shared head."""
     with serve(private_ray=True) as server:
+        pytestconfig.stash.setdefault(STARTED, {})["default_server"] = server
         yield server
 
 
@@ -218,7 +237,7 @@ def default_server() -> Iterator[ServerProcess]:
 def keyed_server(pytestconfig: pytest.Config) -> Iterator[ServerProcess]:
     """The keyed deployment (tests/support/keyed_deployment.py), started once for the two
     modules that send it requests (test_api_errors, test_api_responses_messages), which run
-    in the same lane; stopped after the last of their tests (pytest_runtest_teardown)."""
+    in the same lane; stopped after the last of their tests (SHARED_SERVERS)."""
     with serve(*keyed_deployment.SETTINGS, flags=keyed_deployment.FLAGS) as server:
-        pytestconfig.stash[KEYED_SERVER] = server
+        pytestconfig.stash.setdefault(STARTED, {})["keyed_server"] = server
         yield server
