@@ -15,7 +15,7 @@ from splitserve.engine.gguf_file import read_gguf
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_tokenizer, resolve_model
-from tests.support import keyed_deployment
+from tests.support import keyed_deployment, ray_head
 from tests.support.disagg import PROMPTS, Reference, reference
 from tests.support.reference import load_gguf_tensors
 from tests.support.server_process import ServerProcess, serve, stop
@@ -109,11 +109,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.processes)
     sharing = {_module_name(item) for item in items if _shared_servers(item)}
 
-    def order(item: pytest.Item) -> tuple[bool, bool]:
+    def order(item: pytest.Item) -> tuple[bool, bool, bool]:
         """Stable: else unchanged. Whole modules move: their module fixtures start once."""
-        return _module_name(item) in LATE_MODULES, _module_name(item) not in sharing
+        module = _module_name(item)
+        return module in LATE_MODULES, module not in sharing, not _joins_ray_head(item)
 
     items.sort(key=order)
+
+
+RAY_HEAD_MODULES = frozenset(
+    {
+        "test_deepseek_serving",
+        "test_deploy_scale",
+        "test_disagg_2p1d",
+        "test_disagg_chaos",
+        "test_disagg_faults",
+        "test_expert_parallel_serving",
+        "test_gemma3_served",
+        "test_kv_cache_e2e",
+        "test_observability",
+        "test_shape_serving",
+        "test_structured_api",
+        "test_vision_e2e",
+    }
+)
+"""Modules whose deployments join the shared Ray head (tests/support/ray_head.py), besides
+the keyed deployment's: they run before the other modules of their lane, and the head
+(about 4% of a core, idle) stops after the last of them. A module missing here still gets a
+head: ``serve`` starts another."""
+
+
+def _joins_ray_head(item: pytest.Item) -> bool:
+    return _module_name(item) in RAY_HEAD_MODULES or "keyed_server" in _shared_servers(item)
 
 
 def _shared_servers(item: pytest.Item) -> set[str]:
@@ -150,17 +177,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
     last = {name: item for item in session.items for name in _shared_servers(item)}
     session.config.stash[LAST_USERS] = {id(item): name for name, item in last.items()}
+    joining = [item for item in session.items if _joins_ray_head(item)]
+    if joining:
+        session.config.stash[LAST_RAY_HEAD_USER] = joining[-1]
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """A shared deployment stops after the last test that uses it (SHARED_SERVERS)."""
+    """A shared deployment stops after the last test that uses it (SHARED_SERVERS), the
+    shared Ray head after the last that joins it (RAY_HEAD_MODULES)."""
     name = item.config.stash.get(LAST_USERS, {}).get(id(item))
     server = item.config.stash.get(STARTED, {}).get(name or "")
     if server is not None:
         stop(server)
+    if item is item.config.stash.get(LAST_RAY_HEAD_USER, None):
+        ray_head.stop()
 
 
 LAST_USERS = pytest.StashKey[dict[int, str]]()
+LAST_RAY_HEAD_USER = pytest.StashKey[pytest.Item]()
 STARTED = pytest.StashKey[dict[str, ServerProcess]]()
 
 
