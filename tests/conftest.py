@@ -182,15 +182,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.stash[LAST_RAY_HEAD_USER] = joining[-1]
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """A shared deployment stops after the last test that uses it (SHARED_SERVERS), the
-    shared Ray head after the last that joins it (RAY_HEAD_MODULES)."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A shared deployment stops after the last test that uses it (SHARED_SERVERS); the
+    shared Ray head after the last that joins it (RAY_HEAD_MODULES), once that test's module
+    fixtures, its deployments among them, are torn down."""
     name = item.config.stash.get(LAST_USERS, {}).get(id(item))
     server = item.config.stash.get(STARTED, {}).get(name or "")
     if server is not None:
         stop(server)
-    if item is item.config.stash.get(LAST_RAY_HEAD_USER, None):
-        ray_head.stop()
+    try:
+        return (yield)
+    finally:
+        if item is item.config.stash.get(LAST_RAY_HEAD_USER, None):
+            ray_head.stop()
 
 
 LAST_USERS = pytest.StashKey[dict[int, str]]()
