@@ -31,11 +31,19 @@ def server() -> Iterator[ServerProcess]:
         yield process
 
 
+@pytest.fixture(scope="module")
+def expected(smollm2_llm: LLM) -> list[str]:
+    """The offline engine's texts for both tests, computed once: the 1P1D test's prompts are
+    the first REQUESTS_1P1D of these (``prompts``), sent the same way (the first CONCURRENCY
+    with OPENING_TOKENS), so their texts are the first REQUESTS_1P1D."""
+    assert REQUESTS_1P1D <= REQUESTS and prompts(REQUESTS)[:REQUESTS_1P1D] == prompts(REQUESTS_1P1D)
+    return reference(smollm2_llm, prompts(REQUESTS), MAX_TOKENS, CONCURRENCY)
+
+
 def test_killed_decode_and_prefill_workers_lose_no_request_and_come_back(
-    server: ServerProcess, smollm2_llm: LLM
+    server: ServerProcess, expected: list[str]
 ) -> None:
     texts = prompts(REQUESTS)
-    expected = reference(smollm2_llm, texts, MAX_TOKENS, CONCURRENCY)
     chaos = Chaos(server, texts, MAX_TOKENS, CONCURRENCY)
     chaos.run()
     migrated = worker_metric(server.url, "splitserve:request_migrations_total", "decode-0")
@@ -52,12 +60,11 @@ def test_killed_decode_and_prefill_workers_lose_no_request_and_come_back(
 
 
 def test_with_one_worker_per_role_a_kill_holds_the_requests_until_the_restart(
-    server: ServerProcess, smollm2_llm: LLM
+    server: ServerProcess, expected: list[str]
 ) -> None:
     """Before: with one decode worker, its kill failed every request in flight with a 503
     (85 of 100), though the supervisor had it back in about 5 s."""
     texts = prompts(REQUESTS_1P1D)
-    expected = reference(smollm2_llm, texts, MAX_TOKENS, CONCURRENCY)
     scaled = httpx.post(
         f"{server.url}/admin/scale", json={"replicas": {"prefill": 1, "decode": 1}}, timeout=60
     )
@@ -70,6 +77,6 @@ def test_with_one_worker_per_role_a_kill_holds_the_requests_until_the_restart(
     chaos = Chaos(server, texts, MAX_TOKENS, CONCURRENCY, replicas=1, victims=(decode, prefill))
     chaos.run()
     assert [o.error for o in chaos.outcomes] == [None] * REQUESTS_1P1D
-    assert [o.text for o in chaos.outcomes] == expected
+    assert [o.text for o in chaos.outcomes] == expected[:REQUESTS_1P1D]
     assert [k.worker for k in chaos.kills] == [decode, prefill]
     print(summary(chaos))

@@ -134,15 +134,9 @@ def test_tiny_random_model_greedy_matches_transformers(
     outputs = llm.generate(
         prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), use_tqdm=False
     )
-    equal = []
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=48,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        equal.append(assert_greedy_equal(hf_model, prompt, output.outputs[0].token_ids, ref))
+    reference = hf_greedy(hf_model, prompts, 48, pad_id=0, ignore_eos=True)
+    equal = [
+        assert_greedy_equal(hf_model, prompt, output.outputs[0].token_ids, ref)
+        for prompt, output, ref in zip(prompts, outputs, reference, strict=True)
+    ]
     assert all(equal), f"sequences wholly equal: {equal}"

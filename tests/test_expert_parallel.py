@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from splitserve.engine.config import EPLBConfig
 from splitserve.eplb.rebalance import rebalance
+from tests.support import processes
 from tests.support.ep_worker import move_in_group, one_engine_tokens, run_group
 from tests.support.server_process import free_port
 from tests.support.tiny_models import tiny_model
@@ -59,7 +59,7 @@ def test_a_move_where_one_rank_sends_nothing() -> None:
     failed there). Every rank ends with its new experts' weights."""
     old = [[0, 1], [0, 1], [2, 3]]
     new = [[0, 1], [2, 3], [0, 1]]
-    context = mp.get_context("spawn")
+    context = processes.context()
     results = context.Queue()
     args = (3, free_port(), old, new, results)
     workers = [context.Process(target=move_in_group, args=(rank, *args)) for rank in range(3)]

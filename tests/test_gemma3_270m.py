@@ -15,10 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.gguf_file import read_gguf
 from splitserve.engine.loader import eos_token_ids, resolve_model
 from tests.support.gemma3 import (
     CHAT,
@@ -32,7 +30,7 @@ from tests.support.gemma3 import (
     SERVED_TOKENS,
     STORY,
 )
-from tests.support.reference import assert_greedy_equal
+from tests.support.reference import assert_greedy_equal, hf_greedy, load_gguf_tensors
 
 PUBLISHED_CONFIG = dict(
     vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
@@ -51,8 +49,7 @@ TEXTS = [
 
 def reference_model(path: str) -> Any:
     """transformers' Gemma3ForCausalLM on the file's tensors, dequantized to float32."""
-    from gguf import MODEL_ARCH, get_tensor_name_map
-    from gguf.quants import dequantize
+    from gguf import MODEL_ARCH
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
@@ -60,19 +57,7 @@ def reference_model(path: str) -> Any:
     with no_init_weights():
         model = Gemma3ForCausalLM(Gemma3TextConfig(**PUBLISHED_CONFIG)).eval()
     processor = TENSOR_PROCESSORS["gemma3"]()
-    table = get_tensor_name_map(MODEL_ARCH.GEMMA3, PUBLISHED_CONFIG["num_hidden_layers"])
-    names = {}  # llama.cpp's name -> transformers', as transformers maps them at load
-    for hf_name in model.state_dict():
-        module, suffix = hf_name.rsplit(".", 1)
-        gguf_name = table.get_name(module)
-        if gguf_name is not None:
-            names[f"{gguf_name}.{suffix}"] = hf_name
-    state = {}
-    for tensor in read_gguf(path).tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
-        weights = processor.process(array, tensor.name).weights
-        state[names[tensor.name]] = torch.from_numpy(weights.astype("float32", copy=False))
-    missing, _ = model.load_state_dict(state, strict=False)
+    missing = load_gguf_tensors(model, path, MODEL_ARCH.GEMMA3, processor)
     assert missing == ["lm_head.weight"]  # tied to the embeddings
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -96,14 +81,14 @@ def test_gemma3_270m_greedy_matches_transformers_past_its_window(gemma: LLM) -> 
     assert [len(prompts[i]) for i in served] == [*SERVED_PROMPT_TOKENS, CHAT_PROMPT_TOKENS]
     outputs = gemma.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     hf = reference_model(resolve_model("gemma3-270m"))
-    equal, refs = [], []
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=[1, 106]
-            )[0, len(prompt) :].tolist()
-        refs.append(ref)
-        equal.append(assert_greedy_equal(hf, prompt, output.outputs[0].token_ids, ref))
+    story = len(TEXTS)  # alone: the short prompts in one left-padded batch, not padded to it
+    short = [p for i, p in enumerate(prompts) if i != story]
+    refs = hf_greedy(hf, short, 12, pad_id=0, eos_ids=[1, 106])
+    refs[story:story] = hf_greedy(hf, [prompts[story]], 12, pad_id=0, eos_ids=[1, 106])
+    equal = [
+        assert_greedy_equal(hf, prompt, output.outputs[0].token_ids, ref)
+        for prompt, output, ref in zip(prompts, outputs, refs, strict=True)
+    ]
     print(f"sequences wholly equal: {equal}")
     assert sum(equal) >= len(prompts) - 1, f"sequences wholly equal: {equal}"
     expected = [*SERVED_TOKENS, CHAT_TOKENS]

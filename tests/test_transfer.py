@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 
 from splitserve.kvstore.rendezvous import RendezvousClient, StoreAddress, start_store
 from splitserve.kvstore.transfer import KVTransport, TransferError
+from tests.support import processes
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,8 @@ def _sender(store: StoreAddress, generation: int, count: int, results: Any) -> N
         time.sleep(60)  # alive, holding the channel, until the test kills this process
 
 
-def _spawn(store: StoreAddress, generation: int, count: int, results: Any) -> Any:
-    ctx = mp.get_context("spawn")
+def _start(store: StoreAddress, generation: int, count: int, results: Any) -> Any:
+    ctx = processes.context()
     process = ctx.Process(target=_sender, args=(store, generation, count, results), daemon=True)
     process.start()
     return process
@@ -48,8 +48,8 @@ def store() -> Any:
 
 
 def test_tensors_arrive_in_order_and_bytes_are_counted(store: StoreAddress) -> None:
-    results = mp.get_context("spawn").Queue()
-    sender = _spawn(store, 0, len(SHAPES), results)
+    results = processes.context().Queue()
+    sender = _start(store, 0, len(SHAPES), results)
     receiver = KVTransport("d", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
     for index, shape in enumerate(SHAPES):
         out = torch.empty(shape)
@@ -62,10 +62,10 @@ def test_tensors_arrive_in_order_and_bytes_are_counted(store: StoreAddress) -> N
 
 
 def test_dead_peer_is_a_transfer_error_then_a_new_generation_works(store: StoreAddress) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     results = ctx.Queue()
     receiver = KVTransport("d", store, torch.device("cpu"), "gloo", TIMEOUT_S, key=KEY)
-    doomed = _spawn(store, 1, 1, results)
+    doomed = _start(store, 1, 1, results)
     first = torch.empty(SHAPES[0])
     receiver.recv("p", 1, first)  # the channel is up
     results.get(timeout=TIMEOUT_S)
@@ -75,7 +75,7 @@ def test_dead_peer_is_a_transfer_error_then_a_new_generation_works(store: StoreA
         receiver.recv("p", 1, torch.empty(SHAPES[1]))
     assert time.monotonic() - start < TIMEOUT_S / 2
     receiver.drop("p", "d", 1)
-    fresh = _spawn(store, 2, len(SHAPES), results)
+    fresh = _start(store, 2, len(SHAPES), results)
     for index, shape in enumerate(SHAPES):
         out = torch.empty(shape)
         receiver.recv("p", 2, out)
@@ -103,19 +103,19 @@ def _both_ways(store: StoreAddress, me: str, other: str, results: Any) -> None:
 
 
 def test_two_workers_sending_to_each_other_do_not_wait_on_each_other(store: StoreAddress) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     results = ctx.Queue()
-    processes = [
+    workers = [
         ctx.Process(target=_both_ways, args=(store, me, other, results), daemon=True)
         for me, other in (("a", "bb"), ("bb", "a"))
     ]
-    for process in processes:
+    for process in workers:
         process.start()
     answers = {}
-    for _ in processes:
+    for _ in workers:
         me, got, seconds = results.get(timeout=60)
         answers[me] = (got, seconds)
-    for process in processes:
+    for process in workers:
         process.join(timeout=10)
     assert answers["a"][0] == [2.0] * 4 and answers["bb"][0] == [1.0] * 4
     # A creation waiting, lock held, for a partner blocked on its own lock would only end at
@@ -141,7 +141,7 @@ def test_a_channel_waiting_for_its_partner_does_not_hold_up_another_channel(
     address until the first timed out."""
     import threading
 
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     results = ctx.Queue()
     partner = ctx.Process(target=_recv_then_send, args=(store, results), daemon=True)
     partner.start()

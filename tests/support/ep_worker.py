@@ -130,13 +130,12 @@ def run_group(
     max_tokens: list[int],
     placements: list[dict[str, Any]],
 ) -> dict[int, tuple[dict[int, list[list[int]]], dict[int, tuple[int, list[Any]]]]]:
-    """``generate_in_group`` on ``size`` spawned processes of a Gloo group: rank -> (its
-    tokens, its rebalances) as each put them; every process exited 0."""
-    import torch.multiprocessing as mp
-
+    """``generate_in_group`` on ``size`` processes of a Gloo group (tests/support/processes.py):
+    rank -> (its tokens, its rebalances) as each put them; every process exited 0."""
+    from tests.support import processes
     from tests.support.server_process import free_port
 
-    context = mp.get_context("spawn")
+    context = processes.context()
     results = context.Queue()
     args = (size, free_port(), model, prompts, max_tokens, placements, results)
     workers = [context.Process(target=generate_in_group, args=(r, *args)) for r in range(size)]

@@ -104,6 +104,17 @@ def address() -> str:
         return _head.address
 
 
+def stop() -> None:
+    """Stop the shared head now (tests/conftest.py: after the last module that joins it); a
+    later ``address()`` starts another."""
+    global _head
+    with _lock:
+        if _head is not None:
+            _head.stop()
+            atexit.unregister(_head.stop)
+            _head = None
+
+
 def _processes_naming(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

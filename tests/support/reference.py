@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
@@ -11,13 +12,50 @@ from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 NEAR_TIE = 1e-3
 
 
+def load_gguf_tensors(model: Any, path: str, arch: Any, processor: Any) -> list[str]:
+    """A GGUF file's tensors into a transformers model as transformers' own GGUF loading puts
+    them (its reader walks the whole vocabulary, for minutes on the 2-core VM): llama.cpp's
+    names mapped by gguf's name table, dequantized by gguf to float32, changed by transformers'
+    tensor processor for the family. Returns the model's parameters that the file lacks."""
+    from gguf import get_tensor_name_map
+    from gguf.quants import dequantize
+
+    from splitserve.engine.gguf_file import read_gguf
+
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}  # llama.cpp's name -> transformers', as transformers maps them at load
+    for hf_name in model.state_dict():
+        module, suffix = hf_name.rsplit(".", 1)
+        gguf_name = table.get_name(module)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    state = {}
+    for tensor in read_gguf(path).tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+        weights = processor.process(array, tensor.name).weights
+        writable = np.require(weights.astype("float32", copy=False), requirements="W")
+        state[names[tensor.name]] = torch.from_numpy(writable)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == []
+    return list(missing)
+
+
 def hf_greedy(
-    model: Any, prompts: list[list[int]], max_new_tokens: int, pad_id: int
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    pad_id: int,
+    eos_ids: list[int] | None = None,
+    ignore_eos: bool = False,
 ) -> list[list[int]]:
-    """Greedy continuations from transformers, one left-padded batch, cut after EOS."""
+    """Greedy continuations from transformers, one left-padded batch, cut after EOS (the
+    model's generation config's, or ``eos_ids``), or ``max_new_tokens`` each past any EOS."""
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ends = model.generation_config.eos_token_id if eos_ids is None else eos_ids
+    end_set = set() if ignore_eos else set(ends if isinstance(ends, list) else [ends])
+    eos = {"eos_token_id": None} if ignore_eos else {"eos_token_id": ends}
     with torch.no_grad():
         out = model.generate(
             input_ids=input_ids,
@@ -25,12 +63,11 @@ def hf_greedy(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad_id,
+            **eos,
         )
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
     results = []
     for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        cut = next((i + 1 for i, t in enumerate(row) if t in end_set), len(row))
         results.append(row[:cut])
     return results
 

@@ -175,6 +175,12 @@ def _wait_ready(server: ServerProcess) -> None:
     )
 
 
+def stop(server: ServerProcess) -> None:
+    """SIGTERM the server now and wait for it, before its ``serve`` block ends (which then
+    finds it stopped and checks its exit code as ever)."""
+    _stop(server.process)
+
+
 def _stop(process: subprocess.Popen[str]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
