@@ -186,10 +186,18 @@ def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_co
         f"model={path}", "pools.decode.replicas=2", "pools.decode.expert_parallel=2", *SMALL
     ) as server:
         pid = worker_pids(server)["decode-0.1"]
+        # Every rank has taken a handoff once, so that no rank's first transfer is slow
+        # enough for the others' requests to finish before the kill.
+        asyncio.run(_complete_all(server, path, prompts))
         texts = asyncio.run(_stream_all_killing(server, path, prompts, pid))
         assert texts == expected
         migrated = _migrations(server)
         assert set(migrated) == {"decode-0.0", "decode-0.1"}, migrated
+        # The group left the pool whole before its requests moved: each moved once, to decode-1.
+        moved = [json.loads(line) for line in _request_lines(server) if ".m" in line]
+        assert {m["request_id"].rsplit(".", 1)[1] for m in moved} == {"m1"}, moved
+        assert {m["decode_worker"] for m in moved} <= {"decode-1.0", "decode-1.1"}, moved
+        assert sum(migrated.values()) == len(moved), (migrated, moved)
         wait_for(
             lambda: _restarted(server) >= {"decode-0.0", "decode-0.1"},
             60,
@@ -231,9 +239,11 @@ async def _stream_all_killing(
 
     async def kill() -> None:
         await asyncio.gather(*(e.wait() for e in started))
+        assert not any(t.done() for t in streams), "a request finished before the kill"
         os.kill(pid, signal.SIGKILL)
 
-    *texts, _ = await asyncio.gather(*(one(i) for i in range(len(prompts))), kill())
+    streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    *texts, _ = await asyncio.gather(*streams, kill())
     return list(texts)
 
 

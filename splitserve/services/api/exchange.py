@@ -308,11 +308,16 @@ class RequestExchange:
         worker = self.pool.mark_failed(worker_id, why)
         if worker is None:
             return
-        text = f"worker {worker_id} failed: {why}"
-        self._fail_waiting([worker], lambda _: text, reason)
-        for rank in self.pool.group_of(worker):  # an expert-parallel group stops whole
+        why_of = {worker.worker_id: f"worker {worker_id} failed: {why}"}
+        stopped = [worker]
+        # An expert-parallel group stops whole, and every rank of it is out of the pool
+        # before any request moves: a request never migrates onto a rank of the broken group.
+        for rank in self.pool.group_of(worker):
             if rank.failed is None:
-                self.worker_stopped(rank.worker_id, f"{worker_id} of its group stopped", reason)
+                self.pool.mark_failed(rank.worker_id, f"{worker_id} of its group stopped")
+                why_of[rank.worker_id] = f"worker {rank.worker_id} failed: {rank.failed}"
+                stopped.append(rank)
+        self._fail_waiting(stopped, lambda w: why_of[w.worker_id], reason)
 
     def rejoin(self, endpoint: WorkerEndpoint) -> None:
         """A stopped worker runs again (restarted): route to it under its id from now on."""

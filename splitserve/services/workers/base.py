@@ -278,8 +278,12 @@ class Worker(ABC):
         self._collect_async_errors()
         earlier = [e for e in self._errors if e.request_id not in held]
         self._errors = []
-        self._send(msg.OutputBatch(deltas=[], errors=earlier + failed))
+        # WorkerFailed first: the API server takes this worker (and its expert-parallel group)
+        # out of the pool and moves its requests before it reads their 503s, which then concern
+        # attempts that have moved on; the other way round, a request could move onto a rank
+        # of this broken group and have to move again.
         self._send(msg.WorkerFailed(self.worker_id, reason))
+        self._send(msg.OutputBatch(deltas=[], errors=earlier + failed))
 
     def _drain(self, timeout_ms: int) -> None:
         ready = self._poller.poll(timeout_ms)
