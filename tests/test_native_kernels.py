@@ -245,6 +245,34 @@ def test_native_decode_attention_matches_torch_and_writes_the_same_cache(
     torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [(9, 3, 64), (8, 1, 128), (6, 2, 32), (4, 2, 48), (2, 2, 320)],
+    ids=["smollm2-g3-d64", "g8-d128", "g3-d32", "g2-d48", "g1-d320"],
+)
+@pytest.mark.parametrize("window", [None, 20], ids=["whole", "window-20"])
+def test_decode_attention_in_8_and_16_float_vectors_gives_the_same_bits(
+    shape: tuple[int, int, int], window: int | None, one_thread: None
+) -> None:
+    """Without AVX-512 the scores and V sums run in 8-float vectors (16-float ones went through
+    memory there); the sums are the same in the same order, so the bits are too: forced
+    either way on any CPU, the outputs and the caches written are equal."""
+    results = []
+    try:
+        for lanes in (16, 8):
+            native.set_attention_lanes(lanes)
+            backend, qkv, positions, rotary, cache, meta = _decode_case([37, 5, 130], shape=shape)
+            backend = backend.configured(None, window)
+            out = backend.forward_qkv(qkv, positions, rotary, cache[0], cache[1], meta)
+            results.append((out, cache))
+    finally:
+        native.set_attention_lanes(0)
+    (wide, wide_cache), (narrow, narrow_cache) = results
+    assert torch.equal(wide, narrow)
+    assert torch.equal(wide_cache, narrow_cache)
+    assert not torch.equal(wide, torch.zeros_like(wide))
+
+
 def test_a_sequences_attention_is_the_same_bits_alone_and_in_a_batch(one_thread: None) -> None:
     """In a batch of at least two sequences per thread a task is a sequence with all its KV
     heads (its blocks read whole), alone it is one KV head: the sums run in the same order

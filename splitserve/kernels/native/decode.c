@@ -151,11 +151,67 @@ INLINE void vsum(const float *p, int64_t pstride, int G, int C, const float *row
         for (int c = 0; c < C; c++) __builtin_memcpy(out + h * D + 16 * c, &acc[h][c], 64);
 }
 
+INLINE v8 load8(const float *p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* vsum in 8-float vectors for one query head and W <= 8 of its 8-float slices (out and rows
+ * at that slice): the same additions in the same order as vsum's 16-float lanes, so the same
+ * bits. Without AVX-512, GCC builds vsum's 16-float vectors from ymm pairs moved through the
+ * stack, and the scalar weight's broadcast lane by lane: 46 ns a cached token and head for
+ * SmolLM2 on an AVX2-only Zen 2, 3.6 ns this way (8 accumulators and a row slice in 16 ymm). */
+INLINE void vsum8(const float *p, int W, const float *rows, int64_t stride, int64_t n, float *out,
+                  int first) {
+    v8 acc[8];
+    for (int c = 0; c < W; c++) acc[c] = first ? (v8){0} : load8(out + 8 * c);
+    for (int64_t i = 0; i < n; i++) {
+        v8 w = (v8){0} + p[i];
+        for (int c = 0; c < W; c++) acc[c] += w * load8(rows + i * stride + 8 * c);
+    }
+    for (int c = 0; c < W; c++) __builtin_memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
+}
+
+/* dot16 in 8-float vectors: the same products and sums in the same order. */
+INLINE float dot16_8(const float *q, const float *k, int C) {
+    v8 lo = load8(q) * load8(k), hi = load8(q + 8) * load8(k + 8);
+    for (int c = 1; c < C; c++) {
+        lo += load8(q + 16 * c) * load8(k + 16 * c);
+        hi += load8(q + 16 * c + 8) * load8(k + 16 * c + 8);
+    }
+    v8 a = lo + hi;
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* 8 or 16 forces the attention's V sums to 8- or 16-float vectors (the tests compare the
+ * two); 0, the default, takes 16 where the CPU has AVX-512. */
+int splitserve_attention_lanes = 0;
+
+INLINE int lanes16(void) {
+    int lanes = splitserve_attention_lanes;
+    return lanes ? lanes == 16 : __builtin_cpu_supports("avx512f");
+}
+
 /* vsum with G and C constant for the shapes of the models served (SmolLM2: 3 and 4; Llama-3
- * and Qwen: 4 to 8 and 8), else the same code with them variable. */
+ * and Qwen: 4 to 8 and 8), else the same code with them variable; in 8-float vectors, a head
+ * and 64 floats at a time, where 16-float ones are not native (vsum8). */
 INLINE void vsum_any(const float *p, int64_t pstride, int G, int C, const float *rows,
                      int64_t stride, int64_t n, float *out, int first) {
     int64_t D = 16 * C;
+    if (!lanes16()) {
+        for (int h = 0; h < G; h++)
+            for (int c0 = 0; c0 < 2 * C; c0 += 8) {
+                const float *ph = p + h * pstride;
+                float *oh = out + h * D + 8 * c0;
+                if (2 * C - c0 >= 8)
+                    vsum8(ph, 8, rows + 8 * c0, stride, n, oh, first);
+                else
+                    vsum8(ph, 2 * C - c0, rows + 8 * c0, stride, n, oh, first);
+            }
+        return;
+    }
 #define VSUM(g, c) vsum(p, pstride, g, c, rows, stride, n, out, D, first)
     switch (C <= 8 ? G * 16 + C : 0) {  /* one key per (G, C) while C < 16 */
     case 1 * 16 + 4: VSUM(1, 4); return;
@@ -201,6 +257,7 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
         return;
     }
     const int64_t first = start / block_size;
+    const int wide = lanes16();
     float best[heads], total[heads];
     for (int h = 0; h < heads; h++) best[h] = -INFINITY, total[h] = 0.0f;
     for (int64_t blk = first, t0 = first * block_size; t0 < context; t0 += block_size, blk++) {
@@ -211,7 +268,8 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
         for (int64_t i = t0 < start ? start - t0 : 0; i < n; i++) {
             prefetch_rows(next, i, i + 1, stride, lines);
             for (int h = 0; h < heads; h++) {
-                float s = dot16(q + h * D, kb + i * stride + (h / group) * D, C) * scale;
+                const float *k = kb + i * stride + (h / group) * D;
+                float s = (wide ? dot16(q + h * D, k, C) : dot16_8(q + h * D, k, C)) * scale;
                 scores[h * context + t0 + i] = s;
                 if (s > best[h]) best[h] = s;
             }
@@ -221,10 +279,10 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
                    lines);
     for (int h = 0; h < heads; h++) {
         float *sh = scores + h * context;
-        v16 sums = {0};
-        int64_t t = start;
+        v16 sums = {0}, top = (v16){0} + best[h]; /* broadcast once (without AVX-512, GCC */
+        int64_t t = start;                          /* builds it lane by lane in memory) */
         for (; t + 16 <= context; t += 16) {
-            v16 e = exp16(load16(sh + t) - best[h]);
+            v16 e = exp16(load16(sh + t) - top);
             __builtin_memcpy(sh + t, &e, sizeof e);
             sums += e;
         }

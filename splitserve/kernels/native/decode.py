@@ -33,6 +33,14 @@ def use_native(x: torch.Tensor) -> bool:
     return _enabled and x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
 
 
+def set_attention_lanes(lanes: int) -> None:
+    """The decode attention's vector width: 8 or 16 floats, or 0 (the default) for 16 where
+    the CPU has AVX-512. Both give the same bits (the tests compare them)."""
+    if lanes not in (0, 8, 16):
+        raise ValueError(f"lanes must be 0, 8 or 16, not {lanes}")
+    ctypes.c_int.in_dll(_lib(), "splitserve_attention_lanes").value = lanes
+
+
 def _lib() -> ctypes.CDLL:
     lib = load()
     if lib is None:
