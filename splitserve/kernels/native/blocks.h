@@ -148,7 +148,8 @@ void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, co
  * and one over the rest, MT a constant in each call so that every row count compiles on its
  * own; A, the accumulators a row keeps, is ACCS(MT) (fewer rows, more accumulators), or
  * INVARIANT_ACCS at every row count when invariant is set, so that each row's sums run in one
- * order whatever M. RANGE(qtype, ..., invariant) picks the type's. ATTR: the instruction set's
+ * order whatever M (then in passes of INVARIANT_ROWS rows where that is under 8, the rest a
+ * row at a time: a row's sums do not depend on the rows beside it in a pass). RANGE(qtype, ..., invariant) picks the type's. ATTR: the instruction set's
  * target attribute. */
 #define BLOCK_PASS(PASS, Q, MT, ACCS, INVARIANT_ACCS)                                   \
     do {                                                                                \
@@ -162,6 +163,12 @@ void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, co
                                int64_t n0, int64_t n1, float *out, int64_t N,           \
                                int invariant) {                                         \
         int64_t m = 0;                                                                  \
+        if (invariant && INVARIANT_ROWS < 8) {                                          \
+            for (; m + INVARIANT_ROWS <= M; m += INVARIANT_ROWS)                        \
+                PASS(Q, x, m, INVARIANT_ROWS, INV, K, w, n0, n1, out, N);               \
+            for (; m < M; m++) PASS(Q, x, m, 1, INV, K, w, n0, n1, out, N);             \
+            return;                                                                     \
+        }                                                                               \
         for (; m + 8 <= M; m += 8) BLOCK_PASS(PASS, Q, 8, ACCS, INV);                   \
         switch (M - m) {                                                                \
         case 7: BLOCK_PASS(PASS, Q, 7, ACCS, INV); break;                               \

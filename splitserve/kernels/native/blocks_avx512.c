@@ -170,6 +170,7 @@ INLINE void q8_0_row(const float *x, int64_t nb, const uint8_t *w, int64_t n0, i
  * products keep two at every row count (16 of the 32 zmm registers at eight rows). */
 #define ACCS(MT) ((MT) == 1 ? 4 : (MT) == 2 ? 2 : 1)
 #define INVARIANT_ACCS 2
+#define INVARIANT_ROWS 8
 
 /* Outputs [n0, n1) for rows [m0, m0 + MT) of x, A accumulators a row; MT and A are constants
  * after inlining. One output at a time: walking two or four weight rows side by side (to share
