@@ -3,7 +3,8 @@ decode step's attention over all 30 layers, each layer's KV cache a pool of its 
 sequences' blocks scattered over it (as a server's pool is after a while), every sequence at
 the same context length.
 
-Times --steps steps, best of --repeats; the caches do not fit in the last-level cache (30
+Times --steps steps, best of --repeats, per vector width (--lanes; 8,16 times both, which
+give the same bits); the caches do not fit in the last-level cache (30
 layers x 2 x 32 sequences x context x 768 bytes), so this measures the kernel with its reads
 from memory. Threads are torch's (OMP_NUM_THREADS). Prints one line and writes JSON.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from splitserve.bench.report import git_commit
-from splitserve.kernels.native.decode import decode_attention
+from splitserve.kernels.native.decode import decode_attention, set_attention_lanes
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 
@@ -32,6 +33,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="1 or 2: caches in the LLC")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--lanes",
+        default="0",
+        help="vector widths to time, comma-separated: 8, 16, or 0 (the CPU's default); "
+        "8,16 compares the two paths in one run (the same bits)",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 
@@ -60,19 +67,26 @@ def main() -> None:
                 qkv, positions, cos, sin, k, v, slots, tables, context_lens, HEADS, scale, out
             )
 
-    step()
-    best = float("inf")
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        best = min(best, (time.perf_counter() - start) / args.steps)
     cache_bytes = args.layers * 2 * args.batch * (args.context + 1) * KV_HEADS * DIM * 4
+    timed = {}
+    for lanes in (int(n) for n in args.lanes.split(",")):
+        set_attention_lanes(lanes)
+        step()
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            best = min(best, (time.perf_counter() - start) / args.steps)
+        timed[str(lanes)] = {
+            "step_ms": round(best * 1e3, 2),
+            "kv_read_gb_per_s": round(cache_bytes / best / 1e9, 2),
+        }
+    set_attention_lanes(0)
     result = {
         "config": {**vars(args), "output": None, "threads": torch.get_num_threads()},
         "commit": git_commit(),
-        "step_ms": round(best * 1e3, 2),
-        "kv_read_gb_per_s": round(cache_bytes / best / 1e9, 2),
+        "lanes": timed,
     }
     print(json.dumps(result))
     if args.output:

@@ -34,6 +34,28 @@ from splitserve.kernels.invariant_matmul import (
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
 
+@pytest.fixture(autouse=True)
+def row_independent_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's ``tl.dot`` is numpy's matmul, and OpenBLAS's sgemm on an AVX2-only
+    CPU (Haswell kernels) sums a row in another order at another place in the tile, so there
+    no kernel's rows could be equal. On the GPU each output of an MMA is one sum whatever the
+    other rows hold; here the dots take numpy's pairwise sum over K of the products (the same
+    for every row at every place), so that the tests check the kernels' own order."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    plain = builder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, precision: Any, imprecise: Any) -> Any:
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():
+            return plain(self, a, b, d, precision, imprecise)
+        dtype = d.data.dtype
+        products = a.data.astype(dtype)[..., :, :, None] * b.data.astype(dtype)[..., None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=-2) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
 @pytest.mark.parametrize(
     ("n", "k", "bias", "dtype"),
     [

@@ -173,6 +173,13 @@ INLINE void vsum8(const float *p, int W, const float *rows, int64_t stride, int6
     for (int c = 0; c < W; c++) __builtin_memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
 }
 
+/* hsum16 of a 16-float vector given as the sum of its halves (lanes 0-7 plus lanes 8-15):
+ * the same additions. */
+INLINE float hsum8(v8 a) {
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 /* dot16 in 8-float vectors: the same products and sums in the same order. */
 INLINE float dot16_8(const float *q, const float *k, int C) {
     v8 lo = load8(q) * load8(k), hi = load8(q + 8) * load8(k + 8);
@@ -180,13 +187,11 @@ INLINE float dot16_8(const float *q, const float *k, int C) {
         lo += load8(q + 16 * c) * load8(k + 16 * c);
         hi += load8(q + 16 * c + 8) * load8(k + 16 * c + 8);
     }
-    v8 a = lo + hi;
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+    return hsum8(lo + hi);
 }
 
-/* 8 or 16 forces the attention's V sums to 8- or 16-float vectors (the tests compare the
- * two); 0, the default, takes 16 where the CPU has AVX-512. */
+/* 8 or 16 forces the attention's scores, softmax and V sums into 8- or 16-float vectors (the
+ * tests compare the two); 0, the default, takes 16 where the CPU has AVX-512. */
 int splitserve_attention_lanes = 0;
 
 INLINE int lanes16(void) {
@@ -233,6 +238,24 @@ INLINE void vsum_any(const float *p, int64_t pstride, int G, int C, const float 
     }
 }
 
+/* Scores of rows i0 to n - 1 of a cached block (kb: its first row, at the KV heads read)
+ * against each query head, to scores[h * context + i], and each head's maximum so far; C
+ * (16-float slices of a head) a constant where the caller can make it one. */
+INLINE void score_rows(const float *q, int heads, int group, int C, int wide, const float *kb,
+                       int64_t stride, int64_t i0, int64_t n, const float *next, int lines,
+                       float scale, float *scores, int64_t context, float *best) {
+    const int D = 16 * C;
+    for (int64_t i = i0; i < n; i++) {
+        prefetch_rows(next, i, i + 1, stride, lines);
+        for (int h = 0; h < heads; h++) {
+            const float *k = kb + i * stride + (h / group) * D;
+            float s = (wide ? dot16(q + h * D, k, C) : dot16_8(q + h * D, k, C)) * scale;
+            scores[h * context + i] = s;
+            if (s > best[h]) best[h] = s;
+        }
+    }
+}
+
 /* Attention of one sequence's query heads over its cached tokens start to context - 1 (start
  * past 0 for a sliding window) for KV heads g0 to g1 - 1
  * (D a multiple of 16; q and out [(g1 - g0) * group, D], scores (g1 - g0) * group * context
@@ -265,32 +288,49 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
         const float *kb = k_cache + table[blk] * block_size * stride + base;
         const float *next = next_rows(k_cache, table, blk + 1, t0 + block_size, context,
                                       block_size, stride, base);
-        for (int64_t i = t0 < start ? start - t0 : 0; i < n; i++) {
-            prefetch_rows(next, i, i + 1, stride, lines);
-            for (int h = 0; h < heads; h++) {
-                const float *k = kb + i * stride + (h / group) * D;
-                float s = (wide ? dot16(q + h * D, k, C) : dot16_8(q + h * D, k, C)) * scale;
-                scores[h * context + t0 + i] = s;
-                if (s > best[h]) best[h] = s;
-            }
+        int64_t i0 = t0 < start ? start - t0 : 0;
+        float *at = scores + t0;
+        switch (C) {  /* the dot's loop unrolled for the usual head sizes */
+        case 4: score_rows(q, heads, group, 4, wide, kb, stride, i0, n, next, lines, scale, at,
+                           context, best); break;
+        case 8: score_rows(q, heads, group, 8, wide, kb, stride, i0, n, next, lines, scale, at,
+                           context, best); break;
+        default: score_rows(q, heads, group, C, wide, kb, stride, i0, n, next, lines, scale, at,
+                            context, best);
         }
     }
     prefetch_block(v_cache, table, first, first * block_size, context, block_size, stride, base,
                    lines);
     for (int h = 0; h < heads; h++) {
         float *sh = scores + h * context;
-        v16 sums = {0}, top = (v16){0} + best[h]; /* broadcast once (without AVX-512, GCC */
-        int64_t t = start;                          /* builds it lane by lane in memory) */
-        for (; t + 16 <= context; t += 16) {
-            v16 e = exp16(load16(sh + t) - top);
-            __builtin_memcpy(sh + t, &e, sizeof e);
-            sums += e;
+        int64_t t = start;
+        if (wide) {
+            v16 sums = {0}, top = (v16){0} + best[h];
+            for (; t + 16 <= context; t += 16) {
+                v16 e = exp16(load16(sh + t) - top);
+                __builtin_memcpy(sh + t, &e, sizeof e);
+                sums += e;
+            }
+            for (; t < context; t++) {
+                sh[t] = expf(sh[t] - best[h]);
+                total[h] += sh[t];
+            }
+            total[h] += hsum16(sums);
+        } else {  /* the same in 8-float halves: lo and hi are sums' lanes 0-7 and 8-15 */
+            v8 lo = {0}, hi = {0}, top = (v8){0} + best[h];
+            for (; t + 16 <= context; t += 16) {
+                v8 e0 = exp8(load8(sh + t) - top), e1 = exp8(load8(sh + t + 8) - top);
+                __builtin_memcpy(sh + t, &e0, sizeof e0);
+                __builtin_memcpy(sh + t + 8, &e1, sizeof e1);
+                lo += e0;
+                hi += e1;
+            }
+            for (; t < context; t++) {
+                sh[t] = expf(sh[t] - best[h]);
+                total[h] += sh[t];
+            }
+            total[h] += hsum8(lo + hi);
         }
-        for (; t < context; t++) {
-            sh[t] = expf(sh[t] - best[h]);
-            total[h] += sh[t];
-        }
-        total[h] += hsum16(sums);
         for (t = start; t < context; t++) sh[t] = sh[t] / total[h];
     }
     for (int64_t blk = first, t0 = first * block_size; t0 < context; t0 += block_size, blk++) {

@@ -308,16 +308,9 @@ class RequestExchange:
         worker = self.pool.mark_failed(worker_id, why)
         if worker is None:
             return
-        why_of = {worker.worker_id: f"worker {worker_id} failed: {why}"}
-        stopped = [worker]
-        # An expert-parallel group stops whole, and every rank of it is out of the pool
-        # before any request moves: a request never migrates onto a rank of the broken group.
-        for rank in self.pool.group_of(worker):
-            if rank.failed is None:
-                self.pool.mark_failed(rank.worker_id, f"{worker_id} of its group stopped")
-                why_of[rank.worker_id] = f"worker {rank.worker_id} failed: {rank.failed}"
-                stopped.append(rank)
-        self._fail_waiting(stopped, lambda w: why_of[w.worker_id], reason)
+        # Its expert-parallel group leaves the pool whole before any request moves.
+        stopped = [worker, *self.pool.fail_group(worker)]
+        self._fail_waiting(stopped, lambda w: f"worker {w.worker_id} failed: {w.failed}", reason)
 
     def rejoin(self, endpoint: WorkerEndpoint) -> None:
         """A stopped worker runs again (restarted): route to it under its id from now on."""

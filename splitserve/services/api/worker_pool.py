@@ -210,6 +210,15 @@ class WorkerPool:
         self.count_workers()
         return worker
 
+    def fail_group(self, worker: WorkerState) -> list[WorkerState]:
+        """Marks the other ranks of failed ``worker``'s expert-parallel group failed too (a
+        group stops whole), so that none of its requests migrates onto one; returns them."""
+        ranks = [w for w in self.group_of(worker) if w.failed is None]
+        for rank in ranks:
+            rank.failed = f"{worker.worker_id} of its group stopped"
+        self.count_workers()
+        return ranks
+
     def group_of(self, worker: WorkerState) -> list[WorkerState]:
         """The workers of ``worker``'s replica: the ranks of its expert-parallel group."""
         return [w for w in self._live() if w.group == worker.group]
