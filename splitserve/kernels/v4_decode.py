@@ -130,6 +130,12 @@ def _v4_decode_kernel(
             tl.store(part_lse_ptr + sink_part, sink, mask=head_ok)
 
 
+def default_tiles(heads: int, dim: int) -> tuple[int, int, int]:
+    """(keys a tile, heads a program, warps) that v4_decode_attention launches with."""
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    return min(64, max(16, 16384 // dim)), block_h, 8 if block_h >= 64 else 4
+
+
 def v4_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -151,12 +157,14 @@ def v4_decode_attention(
     index [B, k] (int, -1 padding): a CSA layer's chosen entries, else every closed entry.
     split: keys per split (a multiple of block_n). -> [B, H, D].
 
-    The default tiles are MLA's (``mla_decode.py``: up to 64 heads and 64 keys of 512 values
-    a program, 8 warps at 64 heads), not yet measured on V4's shapes."""
+    The default tiles: up to 64 heads a program (8 warps at 64 heads) and 16,384 key values
+    a tile (32 keys of V4-Flash's 512): on the H200, 64 keys of 512 asked a compressed layer's
+    program for 327,680 bytes of shared memory (the limit is 232,448), 32 keys for 196,608
+    (Triton's sm_90a compile, tests/kernels/test_kernels_v4.py); not yet timed on V4's shapes."""
     batch, heads, dim = q.shape
-    block_n = block_n or min(64, max(16, 32768 // dim))
-    block_h = block_h or min(64, max(16, triton.next_power_of_2(heads)))
-    num_warps = num_warps or (8 if block_h >= 64 else 4)
+    default_n, default_h, default_warps = default_tiles(heads, dim)
+    block_n, block_h = block_n or default_n, block_h or default_h
+    num_warps = num_warps or default_warps
     assert split % block_n == 0 and q.stride(2) == 1 and key_cache.stride(2) == 1
     assert key_tables.stride(1) == 1 and key_lens.is_contiguous() and sinks.is_contiguous()
     out = torch.empty_like(q)
