@@ -21,8 +21,10 @@ for part in $PARTS; do
         done ;;
     kv)
         for kv in auto fp8; do
-            bench --shape llama3-8b --batch-sizes 64 --input-len 8192 --output-len 64 \
-                --kv-cache-dtype $kv --result-file "$OUT/fp8-llama3-8b-kv-$kv.json"
+            # 8k-token steps and 256 tokens out, so that every request decodes at once for a
+            # while (2k-token steps and 64 out: the first finished before the last started)
+            bench --shape llama3-8b --batch-sizes 64 --input-len 8192 --output-len 256 \
+                --prefill-len 8192 --kv-cache-dtype $kv --result-file "$OUT/fp8-llama3-8b-kv-$kv.json"
         done ;;
     moe)
         for q in "" "--quantization fp8"; do
