@@ -149,7 +149,8 @@ void splitserve_avx512_range(int qtype, const float *x, int64_t M, int64_t K, co
  * own; A, the accumulators a row keeps, is ACCS(MT) (fewer rows, more accumulators), or
  * INVARIANT_ACCS at every row count when invariant is set, so that each row's sums run in one
  * order whatever M (then in passes of INVARIANT_ROWS rows where that is under 8, the rest a
- * row at a time: a row's sums do not depend on the rows beside it in a pass). RANGE(qtype, ..., invariant) picks the type's. ATTR: the instruction set's
+ * row at a time: a row's sums do not depend on the rows beside it in a pass).
+ * RANGE(qtype, ..., invariant) picks the type's. ATTR: the instruction set's
  * target attribute. */
 #define BLOCK_PASS(PASS, Q, MT, ACCS, INVARIANT_ACCS)                                   \
     do {                                                                                \

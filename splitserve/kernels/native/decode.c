@@ -61,7 +61,6 @@ INLINE void axpy(float a, const float *x, float *y, int D) {
     for (int i = 0; i < D; i++) y[i] += a * x[i];
 }
 
-typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
 /* x [M, 2I] = gate | up -> out [M, I] = silu(gate) * up, 16 lanes at a time: silu(g) = g s
@@ -114,11 +113,16 @@ INLINE const float *next_rows(const float *cache, const int64_t *table, int64_t 
     return cache + table[blk] * block_size * stride + base;
 }
 
-INLINE float hsum16(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+/* The sum of 8 lanes, and of 16 as the sum of their halves (lanes 0-7 plus lanes 8-15), so
+ * that a 16-float sum kept as two 8-float halves adds up the same. */
+INLINE float hsum8(v8 a) {
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+INLINE float hsum16(v16 v) {
+    return hsum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 /* q . k over D = 16 * C floats, C lanes-wide partial sums then one horizontal sum. */
@@ -151,12 +155,6 @@ INLINE void vsum(const float *p, int64_t pstride, int G, int C, const float *row
         for (int c = 0; c < C; c++) __builtin_memcpy(out + h * D + 16 * c, &acc[h][c], 64);
 }
 
-INLINE v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* vsum in 8-float vectors for one query head and W <= 8 of its 8-float slices (out and rows
  * at that slice): the same additions in the same order as vsum's 16-float lanes, so the same
  * bits. Without AVX-512, GCC builds vsum's 16-float vectors from ymm pairs moved through the
@@ -171,13 +169,6 @@ INLINE void vsum8(const float *p, int W, const float *rows, int64_t stride, int6
         for (int c = 0; c < W; c++) acc[c] += w * load8(rows + i * stride + 8 * c);
     }
     for (int c = 0; c < W; c++) __builtin_memcpy(out + 8 * c, &acc[c], sizeof acc[c]);
-}
-
-/* hsum16 of a 16-float vector given as the sum of its halves (lanes 0-7 plus lanes 8-15):
- * the same additions. */
-INLINE float hsum8(v8 a) {
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* dot16 in 8-float vectors: the same products and sums in the same order. */
@@ -203,18 +194,19 @@ INLINE int lanes16(void) {
  * and Qwen: 4 to 8 and 8), else the same code with them variable; in 8-float vectors, a head
  * and 64 floats at a time, where 16-float ones are not native (vsum8). */
 INLINE void vsum_any(const float *p, int64_t pstride, int G, int C, const float *rows,
-                     int64_t stride, int64_t n, float *out, int first) {
+                     int64_t stride, int64_t n, float *out, int first, int wide) {
     int64_t D = 16 * C;
-    if (!lanes16()) {
-        for (int h = 0; h < G; h++)
+    if (!wide) {
+        for (int h = 0; h < G; h++) {
+            const float *ph = p + h * pstride;
             for (int c0 = 0; c0 < 2 * C; c0 += 8) {
-                const float *ph = p + h * pstride;
                 float *oh = out + h * D + 8 * c0;
-                if (2 * C - c0 >= 8)
+                if (2 * C - c0 >= 8)  /* 8 a constant: the common case unrolled */
                     vsum8(ph, 8, rows + 8 * c0, stride, n, oh, first);
                 else
                     vsum8(ph, 2 * C - c0, rows + 8 * c0, stride, n, oh, first);
             }
+        }
         return;
     }
 #define VSUM(g, c) vsum(p, pstride, g, c, rows, stride, n, out, D, first)
@@ -304,6 +296,7 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
     for (int h = 0; h < heads; h++) {
         float *sh = scores + h * context;
         int64_t t = start;
+        float lanes;  /* the vector lanes' sum, added after the tail's */
         if (wide) {
             v16 sums = {0}, top = (v16){0} + best[h];
             for (; t + 16 <= context; t += 16) {
@@ -311,11 +304,7 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
                 __builtin_memcpy(sh + t, &e, sizeof e);
                 sums += e;
             }
-            for (; t < context; t++) {
-                sh[t] = expf(sh[t] - best[h]);
-                total[h] += sh[t];
-            }
-            total[h] += hsum16(sums);
+            lanes = hsum16(sums);
         } else {  /* the same in 8-float halves: lo and hi are sums' lanes 0-7 and 8-15 */
             v8 lo = {0}, hi = {0}, top = (v8){0} + best[h];
             for (; t + 16 <= context; t += 16) {
@@ -325,12 +314,13 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
                 lo += e0;
                 hi += e1;
             }
-            for (; t < context; t++) {
-                sh[t] = expf(sh[t] - best[h]);
-                total[h] += sh[t];
-            }
-            total[h] += hsum8(lo + hi);
+            lanes = hsum8(lo + hi);
         }
+        for (; t < context; t++) {
+            sh[t] = expf(sh[t] - best[h]);
+            total[h] += sh[t];
+        }
+        total[h] += lanes;
         for (t = start; t < context; t++) sh[t] = sh[t] / total[h];
     }
     for (int64_t blk = first, t0 = first * block_size; t0 < context; t0 += block_size, blk++) {
@@ -344,7 +334,7 @@ CLONES static void attend(const float *q, int group, int D, const float *k_cache
             prefetch_rows(next, g * block_size / G, (g + 1) * block_size / G, stride, lines);
             vsum_any(scores + (int64_t)g * group * context + t0 + i0, context, group, C,
                      vb + (int64_t)g * D, stride, n - i0, out + (int64_t)g * group * D,
-                     blk == first);
+                     blk == first, wide);
         }
     }
 }

@@ -1,5 +1,5 @@
 /* 16 floats as one GCC/Clang vector (one zmm in an AVX-512 clone, two ymm in an AVX2 one),
- * shared by decode.c and prefill.c: loads and stores, and e^x in 16 lanes. */
+ * shared by decode.c and prefill.c: loads and stores, and e^x in 16 lanes (and in 8). */
 #ifndef SPLITSERVE_VEC16_H
 #define SPLITSERVE_VEC16_H
 #include <stdint.h>
@@ -16,6 +16,16 @@ VEC16_INLINE v16 load16(const float *p) {
 }
 
 VEC16_INLINE void store16(float *p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* 8 floats (one ymm): the 16-float code's halves where a CPU has no AVX-512. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+VEC16_INLINE v8 load8(const float *p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
 
 /* e^x for x <= 0 in 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7
  * polynomial in r, times 2^n; within 2 ulp of expf). The softmax took a scalar expf per cached
@@ -43,8 +53,6 @@ VEC16_INLINE void store16(float *p, v16 v) { __builtin_memcpy(p, &v, sizeof v); 
         return p * two_n;                                                               \
     }
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
 VEC_EXP(exp16, v16, vi16)
-VEC_EXP(exp8, v8f, vi8)
+VEC_EXP(exp8, v8, vi8)
 #endif
