@@ -15,6 +15,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_spec import KVCacheSpec
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
+from splitserve.engine.layers import v4_decode
 from splitserve.engine.layers.v4_cache import cache_groups
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import Request
@@ -102,10 +103,16 @@ def test_modules_equal_transformers(v4: tuple[Any, str], llm: LLM) -> None:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_whole_prompt_logits_equal_transformers(v4: tuple[Any, str], llm: LLM) -> None:
+@pytest.mark.parametrize("score_bytes", [None, 1], ids=["whole", "row-by-row"])
+def test_whole_prompt_logits_equal_transformers(
+    v4: tuple[Any, str], llm: LLM, score_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One prefill of 100 tokens (12 windows, 25 CSA entries, 12 HCA entries) through the
     paged cache (the first 13 blocks of every group): every position's logits as
-    transformers'."""
+    transformers', with the attention and indexer scores at once and in passes of one row
+    (how a long prefill keeps them within v4_decode.SCORE_BYTES)."""
+    if score_bytes is not None:
+        monkeypatch.setattr(v4_decode, "SCORE_BYTES", score_bytes)
     runner = llm.engine.runner
     prompt = torch.tensor(ids(100, 2))
     blocks = -(-100 // BLOCK)

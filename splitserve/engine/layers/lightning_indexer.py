@@ -17,6 +17,7 @@ from torch import nn
 from splitserve.engine.layers.interleaved_rope import InterleavedRope, rotate
 from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.v4_compressor import Compressor
+from splitserve.engine.layers.v4_decode import score_rows
 from splitserve.engine.v4_config import V4Config
 
 
@@ -55,7 +56,13 @@ class LightningIndexer(nn.Module):
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """[L, n] float32: sum_h w_h relu(q_h . k) / sqrt(dim) of queries q [L, heads, dim], head
-    weights [L, heads] and keys [n, dim]."""
+    weights [L, heads] and keys [n, dim]; in passes of rows within SCORE_BYTES."""
+    rows = score_rows(q.shape[1] * keys.shape[0])
+    if q.shape[0] > rows:
+        passes = range(0, q.shape[0], rows)
+        return torch.cat(
+            [index_scores(q[i : i + rows], weights[i : i + rows], keys) for i in passes]
+        )
     scores = F.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * q.shape[-1] ** -0.5
     return (scores * weights.unsqueeze(-1)).sum(dim=1)
 

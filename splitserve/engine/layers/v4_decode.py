@@ -50,13 +50,28 @@ def sink_attention(
     q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
 ) -> torch.Tensor:
     """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with each
-    head's sink (sinks [heads]) in the softmax, in float32."""
+    head's sink (sinks [heads]) in the softmax, in float32; in passes of rows whose scores
+    stay within SCORE_BYTES (an 8k-token prefill's would take 16 GiB at once)."""
+    rows = score_rows(q.shape[1] * keys.shape[0])
+    if q.shape[0] > rows:
+        passes = range(0, q.shape[0], rows)
+        return torch.cat(
+            [sink_attention(q[i : i + rows], keys, mask[i : i + rows], sinks) for i in passes]
+        )
     scores = torch.einsum("lhd,kd->hlk", q.float(), keys.float()) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~mask[None], -torch.inf)
     sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
     logits = torch.cat([scores, sink], dim=-1)
     probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
     return torch.einsum("hlk,kd->lhd", probs, keys.float()).to(q.dtype)
+
+
+SCORE_BYTES = 256 << 20
+
+
+def score_rows(scores_per_row: int) -> int:
+    """How many query rows of ``scores_per_row`` float32 scores fit in SCORE_BYTES."""
+    return max(1, SCORE_BYTES // (4 * scores_per_row))
 
 
 def held_entries(
