@@ -14,8 +14,8 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_spec import KVCacheSpec
-from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers import v4_decode
+from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.v4_cache import cache_groups
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import Request
