@@ -1,4 +1,4 @@
-"""The FP8 GEMM (``kernels/grouped_gemm.py: fp8_gemm``) on Llama-3-8B's four projections,
+"""The FP8 GEMM (``kernels/fp8_dense.py``) on Llama-3-8B's four projections,
 beside bfloat16 (cuBLAS) and ``torch._scaled_mm`` with row-wise scales (cuBLAS's FP8 path),
 in one run (issue 42).
 
@@ -34,6 +34,12 @@ import triton.testing
 
 from splitserve.bench.report import git_commit
 from splitserve.kernels.fp8_act import quantize_groups_kernel
+from splitserve.kernels.fp8_dense import (
+    DenseTiles,
+    choose_dense_tiles,
+    fp8_dense_gemm,
+    multiprocessors,
+)
 from splitserve.kernels.fp8_quant import (
     FP8,
     FP8_MAX,
@@ -43,7 +49,7 @@ from splitserve.kernels.fp8_quant import (
     quantize_groups,
 )
 from splitserve.kernels.gemv import Tiles, gemv
-from splitserve.kernels.grouped_gemm import GemmTiles, fp8_gemm
+from splitserve.kernels.grouped_gemm import fp8_gemm
 
 PROJECTIONS = {
     "qkv": (6144, 4096),
@@ -86,7 +92,7 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
     x = torch.randn(rows, k, device=device).to(dtype)
     weight = quantize_blocks(w)
     x_fp8, x_scale = quantize_groups(x)
-    out = fp8_gemm(x_fp8, x_scale, weight, torch.float32)
+    out = fp8_dense_gemm(x_fp8, x_scale, weight, torch.float32)
     ref = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
     err = ((out - ref).abs() / (1 + ref.abs())).max().item()
     result: dict[str, Any] = {"gemm": name, "n": n, "k": k, "rows": rows, "max_err": err}
@@ -95,9 +101,9 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
     fp8_bytes = n * k + weight.scale.numel() * 4 + rows * k + rows * n * 2
     times = {
         "bf16_us": time_us(lambda: F.linear(x, w), device),
-        "kernel_us": time_us(lambda: fp8_gemm(x_fp8, x_scale, weight, dtype), device),
+        "kernel_us": time_us(lambda: fp8_dense_gemm(x_fp8, x_scale, weight, dtype), device),
         "kernel_with_quant_us": time_us(
-            lambda: fp8_gemm(*quantize_groups(x), weight, dtype), device
+            lambda: fp8_dense_gemm(*quantize_groups(x), weight, dtype), device
         ),
     }
     w_row, w_scale = rowwise(w)
@@ -114,24 +120,31 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
     return result
 
 
-def sweep_tiles(rows: int) -> list[GemmTiles]:
-    """The tilings tried at a row count: 16/64-row tiles with split-K for decode, 64/128-row
-    tiles for prefill."""
+def sweep_tiles(rows: int) -> list[DenseTiles]:
+    """The dense launch's tilings tried at a row count: the smallest row tile that holds the
+    rows with 32-128 columns and split-K for decode (W8A16), 64/128-row tiles for prefill
+    (W8A8)."""
     if rows <= 64:
+        block_m = 16 if rows <= 16 else 64
         return [
-            GemmTiles(16 if rows <= 16 else 64, bn, 128, split, 4, 4)
-            for bn in (32, 64)
+            DenseTiles(block_m, bn, split_k=split, num_warps=warps)
+            for bn in (32, 64, 128)
             for split in (1, 2, 4)
+            for warps in (4, 8)
+            if not (bn == 32 and warps == 8)
         ]
     return [
-        GemmTiles(bm, bn, 128, 1, 4 if bm == 64 else 8, stages)
+        DenseTiles(bm, bn, num_warps=warps, num_stages=stages)
         for bm in (64, 128)
-        for bn in (64, 128, 256)
+        for bn in (64, 128)
+        for warps in (4, 8)
         for stages in (3, 4)
     ]
 
 
-GEMV_TILES = [Tiles(bn, bk, 4) for bn in (2, 4, 8) for bk in (1024, 2048)]
+GEMV_TILES = [
+    Tiles(bn, bk, warps) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for warps in (4, 8)
+]
 
 
 def cold_us(fn: Callable[[Any], Any], copies: list[Any]) -> float:
@@ -164,6 +177,7 @@ def sweep(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[st
     fp8 = [quantize_blocks(w) for w in dense]
     x = torch.randn(rows, k, device=device).to(dtype)
     ref = x.float() @ dequantize_blocks(fp8[0]).T
+    sms = multiprocessors(device)
     result: dict[str, Any] = {"gemm": name, "n": n, "k": k, "rows": rows}
     result["bf16_us"] = cold_us(lambda w: F.linear(x, w), dense)
     variants: dict[str, dict[str, float]] = {}
@@ -175,19 +189,28 @@ def sweep(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[st
             str(t): try_cold_us(lambda w, t=t: gemv(x, w.data, weight_scale=w.scale, tiles=t), fp8)
             for t in GEMV_TILES
         }
-    if rows <= 256:
-        out = fp8_gemm(x, None, fp8[0], dtype)
+    if rows <= 64:
+        out = fp8_dense_gemm(x, None, fp8[0], dtype)
         result["w8a16_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        result["w8a16_default_tiles"] = str(choose_dense_tiles(rows, n, k, False, sms))
+        result["w8a16_default_us"] = cold_us(lambda w: fp8_dense_gemm(x, None, w, dtype), fp8)
+        result["grouped_w8a16_us"] = cold_us(lambda w: fp8_gemm(x, None, w, dtype), fp8)
         variants["w8a16"] = {
-            str(t): try_cold_us(lambda w, t=t: fp8_gemm(x, None, w, dtype, t), fp8)
+            str(t): try_cold_us(lambda w, t=t: fp8_dense_gemm(x, None, w, dtype, t), fp8)
             for t in sweep_tiles(rows)
         }
     if rows >= 64:
-        out = fp8_gemm(*quantize_groups_kernel(x), fp8[0], dtype)
+        out = fp8_dense_gemm(*quantize_groups_kernel(x), fp8[0], dtype)
         result["w8a8_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        result["w8a8_default_us"] = cold_us(
+            lambda w: fp8_dense_gemm(*quantize_groups_kernel(x), w, dtype), fp8
+        )
+        result["grouped_w8a8_us"] = cold_us(
+            lambda w: fp8_gemm(*quantize_groups_kernel(x), w, dtype), fp8
+        )
         variants["w8a8"] = {
             str(t): try_cold_us(
-                lambda w, t=t: fp8_gemm(*quantize_groups_kernel(x), w, dtype, t), fp8
+                lambda w, t=t: fp8_dense_gemm(*quantize_groups_kernel(x), w, dtype, t), fp8
             )
             for t in sweep_tiles(max(rows, 128))
         }

@@ -16,6 +16,7 @@ from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.model_config import MoEConfig
 from splitserve.kernels.dispatch import set_kernels_on_cpu
 from splitserve.kernels.fp8_act import quantize_groups_kernel
+from splitserve.kernels.fp8_dense import DenseTiles, choose_dense_tiles, fp8_dense_gemm
 from splitserve.kernels.fp8_quant import (
     BlockFp8,
     dequantize_blocks,
@@ -43,6 +44,43 @@ def test_fp8_gemm_matches_the_dequantized_product(tiles: GemmTiles) -> None:
     out = fp8_gemm(xq, xs, weight, torch.float32, tiles)
     expected = fp8_matmul_ref(xq, xs, weight, torch.float32)
     torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+DENSE_CASES = {
+    "partial": (5, 150, 200, DenseTiles(16, 32)),  # a partial row, column and K tile
+    "split-k": (5, 150, 200, DenseTiles(16, 64, split_k=2)),  # 2 splits of 128: the last partial
+    "even": (20, 128, 256, DenseTiles(16, 64, split_k=2, group_m=2)),  # no masks on the weight
+}
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=list(DENSE_CASES))
+@pytest.mark.parametrize("quantized", [True, False], ids=["w8a8", "w8a16"])
+def test_fp8_dense_gemm_matches_the_dequantized_product(case: str, quantized: bool) -> None:
+    """The dense launch on quantized rows (against ``fp8_matmul_ref``) and on rows in their
+    dtype (against the product with the dequantized weight)."""
+    m, n, k, tiles = DENSE_CASES[case]
+    torch.manual_seed(2)
+    x = torch.randn(m, k) * torch.linspace(0.1, 10, k)
+    weight = quantize_blocks(torch.randn(n, k) / 8)
+    if quantized:
+        xq, xs = quantize_groups(x)
+        out = fp8_dense_gemm(xq, xs, weight, torch.float32, tiles)
+        expected = fp8_matmul_ref(xq, xs, weight, torch.float32)
+    else:
+        out = fp8_dense_gemm(x, None, weight, torch.float32, tiles)
+        expected = x @ dequantize_blocks(weight).T
+    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_dense_tiles_split_k_until_the_tiles_fill_the_multiprocessors() -> None:
+    """64 rows of q|k|v (96 column tiles) split K in two, of o (64 tiles) in four; prefill
+    takes 128 x 128 tiles; K is never split below 4 steps a split."""
+    assert choose_dense_tiles(64, 6144, 4096, False, 132).split_k == 2
+    assert choose_dense_tiles(64, 4096, 4096, False, 132).split_k == 4
+    assert choose_dense_tiles(1, 128, 1024, False, 132).split_k == 2
+    assert choose_dense_tiles(8192, 4096, 4096, True, 132) == DenseTiles(
+        128, 128, num_warps=8, num_stages=3
+    )
 
 
 def test_fp8_grouped_gemm_gathers_each_experts_rows() -> None:

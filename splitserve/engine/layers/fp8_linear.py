@@ -7,11 +7,12 @@ embeddings, the LM head, the norms, the MoE router and MLA's latent up-projectio
 (``kv_b_proj``, which decode splits into the absorbed matrices) stay in the model's dtype.
 
 A product quantizes its input per token and 128-channel group, then runs the FP8 x FP8 GEMM:
-the Triton kernel where the kernels run (``kernels/grouped_gemm.py``), else the dequantizing
-torch reference (slow, but every test and deployment shape runs on the CPU). Where the kernels
-run and on the CPU, products of a few rows (decode) skip the quantization and take the rows
-as they are against the dequantized weights (``W8A16_MAX_ROWS``); on the kernels one row goes
-through the fused GEMV (``layers/linear.py``).
+the Triton kernels where the kernels run (``kernels/fp8_dense.py``; ``kernels/grouped_gemm.py``
+for experts), else the dequantizing torch reference (slow, but every test and deployment shape
+runs on the CPU). Where the kernels run and on the CPU, products of a few rows (decode) skip
+the quantization and take the rows as they are against the dequantized weights
+(``W8A16_MAX_ROWS``); on the kernels one row goes through the fused GEMV
+(``layers/linear.py``).
 
 Which modules become FP8, and how a checkpoint gets there: ``engine/fp8_weights.py``.
 """
@@ -52,11 +53,11 @@ def fp8_linear(
     few = x.shape[0] <= W8A16_MAX_ROWS
     if use_kernels(x):
         from splitserve.kernels.fp8_act import quantize_groups_kernel
-        from splitserve.kernels.grouped_gemm import fp8_gemm
+        from splitserve.kernels.fp8_dense import fp8_dense_gemm
 
         if few:
-            return fp8_gemm(x.contiguous(), None, weight, x.dtype)
-        return fp8_gemm(*quantize_groups_kernel(x.contiguous()), weight, x.dtype)
+            return fp8_dense_gemm(x.contiguous(), None, weight, x.dtype)
+        return fp8_dense_gemm(*quantize_groups_kernel(x.contiguous()), weight, x.dtype)
     rows = x.float() if few else dequantize_groups(*quantize_groups(x))
     if dequantized is None:
         dequantized = dequantize_blocks(weight)
