@@ -9,6 +9,8 @@
 # without CUDA graphs). Results to $OUT (default benchmarks/results): v4-decode.json and
 # h200-deepseek-v4-flash.json (h200-deepseek-v4-flash-eager.json from that second run).
 #
+# PARTS picks what runs (default both): kernels, engine.
+#
 # To check the script on the CPU (the kernels' tiny shape through Triton's interpreter, the
 # engine at small sizes): DEVICE=cpu SHAPE=tiny-deepseek-v4 bash benchmarks/moe/deepseek_v4.sh
 source "$(dirname "$0")/../gpu_env.sh"
@@ -25,7 +27,11 @@ else
         --batch-sizes 1,64,256 --input-len 256 --output-len 64 --prefill-len 8192)
     result="$OUT/h200-${SHAPE%%\?*}.json"
 fi
-step timeout 120 "$PY" -m benchmarks.kernels.v4_decode "${kernels[@]}"
+PARTS=${PARTS:-kernels engine}
+if [[ " $PARTS " == *" kernels "* ]]; then
+    step timeout 120 "$PY" -m benchmarks.kernels.v4_decode "${kernels[@]}"
+fi
+[[ " $PARTS " == *" engine "* ]] || exit $status
 offline=("$PY" -m splitserve.cli bench offline --no-baseline --shape "$SHAPE" "${engine[@]}")
 echo "== ${offline[*]} --result-file $result"
 if ! timeout 180 "${offline[@]}" --result-file "$result"; then
