@@ -73,14 +73,14 @@ def test_fp8_dense_gemm_matches_the_dequantized_product(case: str, quantized: bo
 
 
 def test_dense_tiles_split_k_until_the_tiles_fill_the_multiprocessors() -> None:
-    """64 rows of q|k|v (96 column tiles) split K in two, of o (64 tiles) in four; prefill
-    takes 128 x 128 tiles; K is never split below 4 steps a split."""
-    assert choose_dense_tiles(64, 6144, 4096, False, 132).split_k == 2
-    assert choose_dense_tiles(64, 4096, 4096, False, 132).split_k == 4
+    """16 rows of q|k|v (192 column tiles of 32) take no split, of o (128 tiles) two, of a
+    128 x 1024 weight (4 tiles) two (K is never split below 4 steps a split); quantized rows
+    take 64 x 64 tiles up to 64 rows, 64 x 128 beyond."""
+    assert choose_dense_tiles(16, 6144, 4096, False, 132).split_k == 1
+    assert choose_dense_tiles(16, 4096, 4096, False, 132).split_k == 2
     assert choose_dense_tiles(1, 128, 1024, False, 132).split_k == 2
-    assert choose_dense_tiles(8192, 4096, 4096, True, 132) == DenseTiles(
-        128, 128, num_warps=8, num_stages=3
-    )
+    assert choose_dense_tiles(64, 4096, 4096, True, 132) == DenseTiles(64, 64)
+    assert choose_dense_tiles(8192, 4096, 4096, True, 132) == DenseTiles(64, 128)
 
 
 def test_fp8_grouped_gemm_gathers_each_experts_rows() -> None:
