@@ -4,6 +4,7 @@ and acceptance estimates, and the speculator's use of them."""
 from __future__ import annotations
 
 import itertools
+import math
 import types
 from collections.abc import Callable
 
@@ -189,6 +190,25 @@ def test_overlapped_plain_steps_are_priced_by_their_own_curve(
     assert spec.overlapped_curve.seconds(16) < 0.0055
     assert spec.curve.seconds(16) == pytest.approx(0.012)
     assert spec.limits(reqs) == [0] * 16
+
+
+def test_an_overlapped_plain_step_is_priced_at_most_a_measured_verify_step() -> None:
+    """The overlapped curve starts at the start-up table (eager steps: on a GPU far above the
+    graphs' steps) and learns only from two plain steps in a row. Priced from it, a verify step
+    measured below the table looked cheaper than plain decoding: drafts never accepted were
+    verified every step, and two plain steps never ran (issue 49 on an H200: 0.72x of plain)."""
+    spec = module.Speculator(SpeculativeConfig(num_speculative_tokens=4), NgramDrafter(1, 3), 512)
+    spec.measure({1: 0.007, 16: 0.0073}, overlapping=True)
+    spec.pass_seconds = 0.0007
+    assert spec.curve.least_measured(1) == math.inf
+    for _ in range(10):
+        spec.curve.record(2, 0.0048)  # graphs: 4.8 ms, the table 7 ms
+    assert spec.curve.least_measured(2) == math.inf
+    assert spec.curve.least_measured(1) == pytest.approx(0.0048, abs=2e-5)
+    rejecting = _decoding("r", list(range(20)))
+    for _ in range(10):
+        spec._acceptance(rejecting).record(1, 0)
+    assert spec.limits([rejecting]) == [0]  # a draft worth 0.13 tokens pays no 0.7 ms pass
 
 
 def test_a_lookup_drafts_all_it_can_and_verifies_what_the_plan_keeps() -> None:

@@ -21,11 +21,19 @@ copied its prompt verified no draft: issue 49). So a request's first draft is wo
 acceptance plus one standard deviation (``PROBE_SPREAD``): optimism that costs at most one row
 per request and step, shrinks as evidence gathers, and is taken only where such a draft would
 pay for its row.
+
+Where plain steps run overlapped (a GPU: CUDA graphs, the host's work hidden), they are priced
+by a curve of their own, which only two overlapped steps in a row time. It starts from the
+start-up table of eager steps, far above them, and a planner that believes it verifies every
+step and so never times two plain steps in a row (on an H200, a draft model whose drafts were
+never accepted drafted every step: 0.72x of plain). So a plain step is priced at most what the
+cheapest synchronous step of more rows was measured to cost (``StepCurve.least_measured``).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -153,6 +161,11 @@ class StepCurve:
 
     def seconds(self, rows: int) -> float:
         return max(self._table(rows) + self.offset + self.correction.get(rows, 0.0), 1e-9)
+
+    def least_measured(self, rows: int) -> float:
+        """The least estimate of a step of more than ``rows`` rows that real steps timed
+        (infinity where none did)."""
+        return min((self.seconds(r) for r in self.correction if r > rows), default=math.inf)
 
     def record(self, rows: int, seconds: float) -> None:
         estimate = self.seconds(rows)

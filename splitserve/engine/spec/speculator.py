@@ -112,17 +112,25 @@ class Speculator:
         batch = len(reqs)
         if not any(caps):  # most steps of free text: no lookup found a draft
             return caps
-        plain = self.overlapped_curve or self.curve
         passes = self.drafter.passes
+        plain = self._plain_seconds(batch)
 
         def step_seconds(drafts: int, longest: int) -> float:
             if drafts == 0:
-                return plain.seconds(batch)
+                return plain
             drafting_seconds = self.pass_seconds * passes([longest]) if drafting else 0.0
             return self.curve.seconds(batch + drafts) + drafting_seconds
 
         values = [self._acceptance(r).offer(cap) for r, cap in zip(reqs, caps)]
         return plan_drafts(values, step_seconds, self.max_rows)
+
+    def _plain_seconds(self, batch: int) -> float:
+        """A step of the batch without drafts. Overlapped, it costs no more than any
+        synchronous step of more rows: those are timed by every verification, while the
+        overlapped curve learns only from two plain steps in a row."""
+        if self.overlapped_curve is None:
+            return self.curve.seconds(batch)
+        return min(self.overlapped_curve.seconds(batch), self.curve.least_measured(batch))
 
     def overlapped(self, tokens: int) -> None:
         """An overlapped decode step of ``tokens`` rows is launched. Steps without drafts take
