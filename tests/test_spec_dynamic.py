@@ -185,7 +185,7 @@ def test_overlapped_plain_steps_are_priced_by_their_own_curve(
     clock = itertools.count(1.0, 0.005)
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
     for _ in range(21):
-        spec.overlapped(16)  # twenty 5 ms steps (the first launch starts the clock)
+        spec.overlapped(reqs)  # twenty 5 ms steps (the first launch starts the clock)
     assert spec.overlapped_curve is not None
     assert spec.overlapped_curve.seconds(16) < 0.0055
     assert spec.curve.seconds(16) == pytest.approx(0.012)

@@ -238,7 +238,7 @@ class LLMEngine:
         self.expert_load.mark_step()
         if max_batch and is_decode_batch(batch, max_batch):
             if spec is not None:
-                spec.overlapped(sum(batch.num_new_tokens))
+                spec.overlapped(batch.requests)
             return self._overlap(batch, inflight)
         assert inflight is None, "a synchronous step while a decode step is in flight"
         logits, sampled = self.runner.run(batch)

@@ -6,13 +6,14 @@ weighing less every step (``Evidence``), so that one that starts quoting its pro
 retried; its prior is what the engine's recent verifications of all requests showed, worth a
 few verifications at most; and after a verification that kept no draft (a request that stops
 quoting rejects its first draft while its posterior is still sure of a near 1) it verifies
-one draft at most until one is kept. And the step time per number of rows a step runs
-(``StepCurve``): a table timed at start-up on the device itself (engine/warm_up.py),
-corrected online from every real step. The j-th draft of a request is worth E[a**j]
-expected tokens; ``plan_drafts`` adds drafts best first and keeps the count that maximizes
-expected tokens per second of the step, plain decoding (no drafts) included. On a curve
-that is flat at small row counts (memory-bound) that is the best fixed k or more; where every
-row costs (compute-bound, or acceptance near zero) it is no drafts at all.
+one draft at most until one is kept (after ``PROBE_AFTER`` such, only on probe steps: below).
+And the step time per number of rows a step runs (``StepCurve``): a table timed at start-up
+on the device itself (engine/warm_up.py), corrected online from every real step. The j-th
+draft of a request is worth E[a**j] expected tokens; ``plan_drafts`` adds drafts best first
+and keeps the count that maximizes expected tokens per second of the step, plain decoding (no
+drafts) included. On a curve that is flat at small row counts (memory-bound) that is the best
+fixed k or more; where every row costs (compute-bound, or acceptance near zero) it is no
+drafts at all.
 
 A posterior learns only from drafts that are verified: planned from its mean alone, a request
 whose drafts look no better than the prior is never verified, and never shows otherwise (at
@@ -27,7 +28,15 @@ by a curve of their own, which only two overlapped steps in a row time. It start
 start-up table of eager steps, far above them, and a planner that believes it verifies every
 step and so never times two plain steps in a row (on an H200, a draft model whose drafts were
 never accepted drafted every step: 0.72x of plain). So a plain step is priced at most what the
-cheapest synchronous step of more rows was measured to cost (``StepCurve.least_measured``).
+cheapest synchronous step of more rows was measured to cost (``StepCurve.least_measured``),
+and exploration is budgeted (engine/spec/speculator.py): a request whose last ``PROBE_AFTER``
+verifications kept nothing verifies only on probe steps, which give one draft, worth a token
+(what it is if drafts are right again), to each request that the plan leaves without. A probe
+step is due once two plain steps in a row have timed the overlapped curve, and once the
+steps since the last probe pay for its cost over a plain step at ``PROBE_BUDGET`` of their
+time (an H200 with the two-layer draft: every forty steps or so; where a row costs nothing,
+every step). Evidence fades on overlapped steps too: a request whose probe is kept is planned
+from its posterior again within a few steps.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ POOL_WEIGHT = 4.0
 """The most verifications' worth of evidence that the engine's pool lends a request's prior."""
 PROBE_SPREAD = 1.0
 """A request's first draft is worth its mean acceptance plus this many standard deviations."""
+PROBE_AFTER = 2
+"""A request whose last this many verifications kept no draft verifies only on probe steps."""
+PROBE_BUDGET = 0.01
+"""Probe steps cost at most this share of plain decoding's time."""
 _GRID = np.array(ACCEPTANCE_GRID)
 _LOG_ACCEPTED = np.log(_GRID)
 _LOG_REJECTED = np.log1p(-_GRID)
@@ -91,8 +104,9 @@ class Acceptance:
     def __init__(self, pool: Evidence | None = None) -> None:
         self.own = Evidence()
         self.pool = pool
-        self.rejected = False
-        """The last verification accepted no draft: the next verifies one at most."""
+        self.misses = 0
+        """Verifications in a row that accepted no draft: after one, the next verifies one
+        draft at most; after ``PROBE_AFTER``, only on probe steps."""
 
     @property
     def weights(self) -> np.ndarray:
@@ -126,11 +140,11 @@ class Acceptance:
         values = self.values(max(k, 2))
         spread = max(values[1] - values[0] ** 2, 0.0) ** 0.5
         first = [min(values[0] + PROBE_SPREAD * spread, 1.0)]
-        return first if self.rejected else first + values[1:k]
+        return first if self.misses else first + values[1:k]
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.own.add(num_drafts, num_accepted)
-        self.rejected = num_accepted == 0
+        self.misses = self.misses + 1 if num_accepted == 0 else 0
         if self.pool is not None:
             self.pool.add(num_drafts, num_accepted)
         self.idle()

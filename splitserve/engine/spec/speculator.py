@@ -23,7 +23,7 @@ model rolls its own KV back the same way when it next proposes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,14 @@ from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.draft_model import DraftModelDrafter
 from splitserve.engine.spec.drafter import Drafter
-from splitserve.engine.spec.dynamic import Acceptance, Evidence, StepCurve, plan_drafts
+from splitserve.engine.spec.dynamic import (
+    PROBE_AFTER,
+    PROBE_BUDGET,
+    Acceptance,
+    Evidence,
+    StepCurve,
+    plan_drafts,
+)
 from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
 
@@ -83,6 +90,8 @@ class Speculator:
         self.acceptance: dict[str, Acceptance] = {}
         self.pool = Evidence()
         """Every request's verifications: the prior of a request's acceptance."""
+        self._since_probe = 0
+        """Steps since the last probe (engine/spec/dynamic.py)."""
         self._started = 0.0
         self._drafting = 0.0
         self._last_overlapped: float | None = None
@@ -100,18 +109,25 @@ class Speculator:
 
     def limits(self, reqs: list[Request]) -> list[int]:
         """The most draft tokens each request may verify in the next step."""
+        return self._limits(reqs)[0]
+
+    def _limits(self, reqs: list[Request]) -> tuple[list[int], bool]:
+        """``limits``, and whether they probe."""
         k = self.config.num_speculative_tokens
         caps = [min(k, self._room(r)) for r in reqs]
         if not self.config.dynamic:
-            return caps
+            return caps, False
         return self._plan(reqs, caps, drafting=True)
 
-    def _plan(self, reqs: list[Request], caps: list[int], drafting: bool) -> list[int]:
-        """Dynamic plan for reqs verifying at most caps drafts; drafting: the drafts are still
-        to be made (their passes cost), else they are made and only their rows cost."""
+    def _plan(self, reqs: list[Request], caps: list[int], drafting: bool) -> tuple[list[int], bool]:
+        """Dynamic plan for reqs verifying at most caps drafts, and whether it probes;
+        drafting: the drafts are still to be made (their passes cost), else they are made
+        and only their rows cost. A probe step gives one draft, worth a token (what it is if
+        drafts are right again), to each request that the plan leaves without, where the
+        steps since the last probe pay for it (``PROBE_BUDGET``)."""
         batch = len(reqs)
         if not any(caps):  # most steps of free text: no lookup found a draft
-            return caps
+            return caps, False
         passes = self.drafter.passes
         plain = self._plain_seconds(batch)
 
@@ -121,8 +137,29 @@ class Speculator:
             drafting_seconds = self.pass_seconds * passes([longest]) if drafting else 0.0
             return self.curve.seconds(batch + drafts) + drafting_seconds
 
-        values = [self._acceptance(r).offer(cap) for r, cap in zip(reqs, caps)]
-        return plan_drafts(values, step_seconds, self.max_rows)
+        rates = [self._acceptance(r) for r in reqs]
+        values = [[] if r.misses >= PROBE_AFTER else r.offer(c) for r, c in zip(rates, caps)]
+        limits = plan_drafts(values, step_seconds, self.max_rows)
+        probes = [i for i, (cap, n) in enumerate(zip(caps, limits)) if cap and not n]
+        if not probes or not self._probe_due(limits, len(probes), step_seconds):
+            return limits, False
+        for i in probes:
+            values[i] = [1.0]
+        limits = plan_drafts(values, step_seconds, self.max_rows)
+        return limits, any(limits[i] for i in probes)
+
+    def _probe_due(
+        self, limits: list[int], probes: int, step_seconds: Callable[[int, int], float]
+    ) -> bool:
+        """Whether a step planned as limits may add a draft for each of ``probes`` requests:
+        once a plain step was timed since the last probe (where they overlap, the launch of a
+        second in a row times the first), and once the steps since pay for the probe's cost at
+        ``PROBE_BUDGET`` of a plain step each."""
+        if self.overlapped_curve is not None and self._since_probe <= 2:
+            return False
+        drafts, longest = sum(limits), max(limits)
+        cost = step_seconds(drafts + probes, max(longest, 1)) - step_seconds(drafts, longest)
+        return self._since_probe * PROBE_BUDGET * step_seconds(0, 0) >= cost
 
     def _plain_seconds(self, batch: int) -> float:
         """A step of the batch without drafts. Overlapped, it costs no more than any
@@ -132,8 +169,8 @@ class Speculator:
             return self.curve.seconds(batch)
         return min(self.overlapped_curve.seconds(batch), self.curve.least_measured(batch))
 
-    def overlapped(self, tokens: int) -> None:
-        """An overlapped decode step of ``tokens`` rows is launched. Steps without drafts take
+    def overlapped(self, reqs: list[Request]) -> None:
+        """An overlapped decode step of reqs (a row each) is launched. Steps without drafts take
         that path (CUDA graphs, host work hidden behind the device's) and never reach
         ``verify``; the time between two consecutive launches is one such step, recorded so
         that drafts are weighed against the plain step that really runs (on a GPU several
@@ -143,9 +180,10 @@ class Speculator:
         if self._last_overlapped is not None:
             curve = self.curve if self._missed else self.overlapped_curve
             if curve is not None:
-                curve.record(tokens, now - self._last_overlapped)
+                curve.record(len(reqs), now - self._last_overlapped)
         self._missed = False
         self._last_overlapped = now
+        self._stepped(reqs)
 
     def idle(self) -> None:
         """The engine had nothing to run: the next overlapped launch starts a new run of
@@ -163,12 +201,14 @@ class Speculator:
             req.draft_token_ids = []
         reqs = [r for r in running if _decoding(r)]
         k = self.config.num_speculative_tokens
+        probed = False
         if self.drafter.passes([1]) != self.drafter.passes([16]):
-            limits = self.limits(reqs)
+            limits, probed = self._limits(reqs)
         elif self.overlapped_curve is None:  # a lookup, no overlap to lose: everyone asked
             limits = [min(k, self._room(r)) for r in reqs]
         else:
-            limits = [min(k, self._room(r)) if n else 0 for r, n in zip(reqs, self.limits(reqs))]
+            asking, probed = self._limits(reqs)
+            limits = [min(k, self._room(r)) if n else 0 for r, n in zip(reqs, asking)]
         asked = [i for i, n in enumerate(limits) if n > 0]
         drafted = time.perf_counter()
         drafts = self.drafter.propose([reqs[i] for i in asked], [limits[i] for i in asked])
@@ -180,7 +220,8 @@ class Speculator:
         for i, draft in zip(asked, drafts):
             caps[i] = len(draft)
         if self.config.dynamic:
-            caps = self._plan(reqs, caps, drafting=False)
+            caps, verified = self._plan(reqs, caps, drafting=False)
+            probed = probed or verified  # paid where asked: a draft pass, or a lost overlap
         found = False
         for i, draft in zip(asked, drafts):
             reqs[i].draft_token_ids = draft[: caps[i]]
@@ -188,9 +229,8 @@ class Speculator:
             if not draft and self.overlapped_curve is not None:
                 self._acceptance(reqs[i]).record(1, 0)  # asking cost the overlap: a miss
         self._missed = bool(asked) and not found
-        for req, n in zip(reqs, caps):
-            if n == 0 and req.request_id in self.acceptance:
-                self.acceptance[req.request_id].idle()
+        if probed:
+            self._since_probe = 0
         self.pool.fade()
 
     def verify(
@@ -260,6 +300,16 @@ class Speculator:
             self.curve.record(rows, seconds)  # decode rows only: a prompt chunk is no verify
         self._drafting = 0.0
         self._last_overlapped = None
+        self._stepped([r for r, draft in zip(reqs, drafts) if not draft])
+
+    def _stepped(self, idle: list[Request]) -> None:
+        """A step ran: the evidence of the requests that verified nothing in it weighs less
+        (overlapped steps too: a request whose probe is kept is soon planned from its
+        posterior again)."""
+        for req in idle:
+            if req.request_id in self.acceptance:
+                self.acceptance[req.request_id].idle()
+        self._since_probe += 1
 
     def release(self, req: Request) -> None:
         self.acceptance.pop(req.request_id, None)
