@@ -145,13 +145,22 @@ static void matmul_range(int qtype, int isa, int invariant, const float *x, int6
  * layout it knows. */
 static int interleavable(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
-/* Rows from which the AVX-512 path takes the interleaved copy when it has one. At one row the
- * one-output products are as fast (SmolLM2's gate|up on one Zen 5 thread, weights in
- * cache: 62 against 63 us); from two rows the interleaved kernel is faster (82 against 68 us,
- * 789 against 600 us at 32 rows). Q8_0's single multiply per weight leaves the one-output
- * products ahead up to 6 rows (the 49152-output LM head: 1.30 against 1.52 ms at 6 rows on two
- * threads, 2.01 against 1.62 ms at 8; benchmarks/native_blocks.py). */
+/* Rows from which the AVX-512 path takes the interleaved copy when it has one, besides one row
+ * (which always takes it: below). From two rows the interleaved kernel is faster (SmolLM2's
+ * gate|up on one Zen 5 thread, weights in cache: 82 against 68 us, 789 against 600 us at 32
+ * rows). Q8_0's single multiply per weight leaves the one-output products ahead from 2 up to 6
+ * rows (the 49152-output LM head: 1.30 against 1.52 ms at 6 rows on two threads, 2.01 against
+ * 1.62 ms at 8; benchmarks/native_blocks.py). At one row the interleaved copy is one stream
+ * where the one-output products (and the 16-bit row's, blocks_row16.c) read N rows at once: as
+ * fast with the weights in cache (62 against 63 us on Zen 5), and with a model's weights
+ * streaming from memory SmolLM2's batch-1 decode on an Intel Xeon (AVX-512, one thread) went
+ * from 40.8 to 87.6-89.8 tokens a CPU second (76-81 with Q4_1 alone taking it). */
 static int interleaved_from(int qtype) { return qtype == Q8_0 ? 8 : 2; }
+
+static int takes_interleaved(int qtype, int isa, const uint8_t *il, int64_t M, int invariant) {
+    int from = invariant || M == 1 ? 1 : interleaved_from(qtype);
+    return isa == ISA_AVX512 && il && interleavable(qtype) && M >= from;
+}
 
 /* The path a one-row product of qtype on isa takes on 16-bit activations (blocks_row16.c):
  * ISA_AVX512 with AVX-512BW, else ISA_AVX2 (blocks_row16_avx2.c), for the types whose float32
@@ -206,10 +215,10 @@ int splitserve_block_matmul(int qtype, int isa, const float *x, int64_t M, int64
     int invariant = (isa & BLOCKS_INVARIANT) != 0, best = splitserve_best_isa();
     isa &= ~BLOCKS_INVARIANT;
     isa = isa < best ? isa : best;
-    int path = M == 1 && !invariant ? row16(qtype, isa) : ISA_PORTABLE;
+    int interleaved = takes_interleaved(qtype, isa, il, M, invariant);
+    int path = M == 1 && !invariant && !interleaved ? row16(qtype, isa) : ISA_PORTABLE;
     if (path != ISA_PORTABLE) return one_row16(qtype, path, x, K, w, N, out);
-    int from = invariant ? 1 : interleaved_from(qtype);
-    if (isa == ISA_AVX512 && il && interleavable(qtype) && M >= from) {
+    if (interleaved) {
         int64_t pairs = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
