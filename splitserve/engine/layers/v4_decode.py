@@ -70,8 +70,9 @@ SCORE_BYTES = 256 << 20
 
 
 def score_rows(scores_per_row: int) -> int:
-    """How many query rows of ``scores_per_row`` float32 scores fit in SCORE_BYTES."""
-    return max(1, SCORE_BYTES // (4 * scores_per_row))
+    """How many query rows of ``scores_per_row`` float32 scores fit in SCORE_BYTES (a context
+    with no compressed entry yet has none: every row at once)."""
+    return max(1, SCORE_BYTES // max(4 * scores_per_row, 1))
 
 
 def held_entries(
