@@ -75,11 +75,16 @@ def test_dead_peer_is_a_transfer_error_then_a_new_generation_works(store: StoreA
         receiver.recv("p", 1, torch.empty(SHAPES[1]))
     assert time.monotonic() - start < TIMEOUT_S / 2
     receiver.drop("p", "d", 1)
-    fresh = _start(store, 2, len(SHAPES), results)
+    # A queue of its own: the killed sender may have died holding the first one's write lock
+    # (its result read, the lock not yet released), and this sender's exit then waited for
+    # that lock until the join below gave up (20 s, in 2 of 3 runs of the suite).
+    sent = ctx.Queue()
+    fresh = _start(store, 2, len(SHAPES), sent)
     for index, shape in enumerate(SHAPES):
         out = torch.empty(shape)
         receiver.recv("p", 2, out)
         assert torch.equal(out, _tensor(index, shape))
+    assert sent.get(timeout=TIMEOUT_S) == sum(torch.Size(s).numel() * 4 for s in SHAPES)
     fresh.join(timeout=TIMEOUT_S)
 
 
