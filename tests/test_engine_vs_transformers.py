@@ -13,7 +13,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.support.reference import assert_greedy_equal, hf_greedy
-from tests.support.tiny_models import tiny_mixtral, tiny_model, tiny_qwen3, tiny_qwen3_moe
+from tests.support.tiny_models import tiny_llm, tiny_mixtral, tiny_model, tiny_qwen3, tiny_qwen3_moe
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -126,7 +126,7 @@ def test_tiny_random_model_greedy_matches_transformers(
     family: str, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     hf_model, path = TINY_BUILDERS[family](smollm2_tokenizer, tmp_path / family)
-    llm = LLM(model=path, max_model_len=512, block_size=8)
+    llm = tiny_llm(path, smollm2_tokenizer, max_model_len=512, block_size=8)
     generator = torch.Generator().manual_seed(7)
     prompts = [
         torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (5, 17, 40, 90, 130)
