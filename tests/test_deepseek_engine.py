@@ -12,7 +12,12 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.support.reference import assert_greedy_equal, hf_continuation
-from tests.support.tiny_models import tiny_deepseek_v2, tiny_deepseek_v2_grouped, tiny_deepseek_v3
+from tests.support.tiny_models import (
+    tiny_deepseek_v2,
+    tiny_deepseek_v2_grouped,
+    tiny_deepseek_v3,
+    tiny_llm,
+)
 
 BUILDERS: dict[str, Callable[[Any, Path], tuple[Any, str]]] = {
     "v2-lite": tiny_deepseek_v2,
@@ -41,7 +46,7 @@ def test_tiny_deepseek_greedy_matches_transformers(
     variant: str, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     model, path = BUILDERS[variant](smollm2_tokenizer, tmp_path / variant)
-    llm = LLM(model=path, max_model_len=512, block_size=8)
+    llm = tiny_llm(path, smollm2_tokenizer, max_model_len=512, block_size=8)
     assert_matches_transformers(model, llm, prompts())
 
 
@@ -49,7 +54,7 @@ def test_deepseek_cache_holds_one_latent_per_token_and_layer(
     smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     _, path = tiny_deepseek_v3(smollm2_tokenizer, tmp_path / "v3")
-    llm = LLM(model=path, max_model_len=512, block_size=8, num_kv_blocks=20)
+    llm = tiny_llm(path, smollm2_tokenizer, max_model_len=512, block_size=8, num_kv_blocks=20)
     runner = llm.engine.runner
     # kv_lora_rank 32 + qk_rope_head_dim 16, 3 layers, one part (no separate K and V).
     assert runner.kv_shape(5) == (1, 3, 5, 8, 1, 48)
@@ -63,7 +68,9 @@ def test_chunked_prefill_and_mixed_steps_match_transformers(
     """Prompts prefilled in 24-token chunks beside decoding ones: the chunks' attention
     reads the earlier chunks' latents from the cache."""
     model, path = tiny_deepseek_v3(smollm2_tokenizer, tmp_path / "v3")
-    llm = LLM(model=path, max_model_len=512, block_size=8, max_num_batched_tokens=24)
+    llm = tiny_llm(
+        path, smollm2_tokenizer, max_model_len=512, block_size=8, max_num_batched_tokens=24
+    )
     assert_matches_transformers(model, llm, prompts((3, 60, 9, 75)))
 
 

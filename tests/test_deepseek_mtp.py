@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve import LLM, SamplingParams
+from splitserve import SamplingParams
 from splitserve.engine.spec.config import SpeculativeConfig
 from tests.support.reference import assert_greedy_equal, hf_continuation
-from tests.support.tiny_models import tiny_deepseek_v2, tiny_deepseek_v3
+from tests.support.tiny_models import tiny_deepseek_v2, tiny_deepseek_v3, tiny_llm
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 OUTPUTS = ("o_proj", "down_proj")
@@ -77,13 +77,13 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_drafts_give_exactly_the_plain_greedy_tokens(
-    checkpoint: tuple[Any, str], k: int
+    checkpoint: tuple[Any, str], k: int, smollm2_tokenizer: Any
 ) -> None:
     model, path = checkpoint
-    plain = LLM(model=path, max_model_len=256, block_size=8)
+    plain = tiny_llm(path, smollm2_tokenizer, max_model_len=256, block_size=8)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=k, dynamic=False)
-    llm = LLM(model=path, max_model_len=256, block_size=8, speculative=spec)
+    llm = tiny_llm(path, smollm2_tokenizer, max_model_len=256, block_size=8, speculative=spec)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
     prompt = prompts()[0]
@@ -100,4 +100,4 @@ def test_mtp_needs_a_checkpoint_with_an_mtp_layer(smollm2_tokenizer: Any, tmp_pa
     _, path = tiny_deepseek_v2(smollm2_tokenizer, tmp_path / "v2")
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="needs a model with an MTP layer"):
-        LLM(model=path, max_model_len=256, block_size=8, speculative=spec)
+        tiny_llm(path, smollm2_tokenizer, max_model_len=256, block_size=8, speculative=spec)

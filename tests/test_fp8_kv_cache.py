@@ -18,7 +18,7 @@ from splitserve.engine.shapes import shape_config
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
 from tests.support.handoff import disaggregated
 from tests.support.reference import PROMPT, prompt_logits
-from tests.support.tiny_models import CALM, tiny_deepseek_v3
+from tests.support.tiny_models import CALM, tiny_deepseek_v3, tiny_llm
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 CHATS = ["What is the capital of France?", "How do I boil an egg?"]
@@ -76,8 +76,8 @@ def test_a_latent_cache_in_fp8_tracks_float32_and_reads_back_its_prefix(
     float32 cache's (measured 2.9%), the top token equal at 15 of 16 positions or more
     (measured 16); the greedy tokens again from the prefix cache, which prefill reads back."""
     _, path = tiny_deepseek_v3(smollm2_tokenizer, tmp_path, **CALM)
-    fp8 = LLM(model=path, max_model_len=64, block_size=8, kv_cache_dtype="fp8")
-    reference = LLM(model=path, max_model_len=64, block_size=8)
+    fp8 = tiny_llm(path, smollm2_tokenizer, max_model_len=64, block_size=8, kv_cache_dtype="fp8")
+    reference = tiny_llm(path, smollm2_tokenizer, max_model_len=64, block_size=8)
     cache = fp8.engine.runner.model.layers[0].self_attn.latent_cache
     assert cache.dtype == torch.float8_e4m3fn and cache.shape[-2:] == (1, 52)
     got, expected = prompt_logits(fp8), prompt_logits(reference)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from splitserve import LLM
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.fp8_linear import Fp8Linear
 from splitserve.engine.layers.moe import SparseMoE
@@ -23,7 +22,7 @@ from splitserve.kernels.fp8_quant import (
     quantize_groups,
 )
 from tests.support.reference import prompt_logits
-from tests.support.tiny_models import CALM, tiny_deepseek_v3, tiny_model, tiny_qwen3_moe
+from tests.support.tiny_models import CALM, tiny_deepseek_v3, tiny_llm, tiny_model, tiny_qwen3_moe
 
 
 def test_quantize_blocks_scales_each_block_to_the_largest_e4m3() -> None:
@@ -99,8 +98,8 @@ def test_fp8_logits_track_the_dequantized_weights(
     mean (measured 5.7% llama, 4.0% qwen3_moe, 8.0% deepseek_v3), the top token equal at
     12 of the 16 positions or more (measured 12, 14, 14)."""
     _, path = FAMILIES[family](smollm2_tokenizer, tmp_path)
-    fp8 = LLM(model=path, max_model_len=64, block_size=8, quantization="fp8")
-    reference = LLM(model=path, max_model_len=64, block_size=8)
+    fp8 = tiny_llm(path, smollm2_tokenizer, max_model_len=64, block_size=8, quantization="fp8")
+    reference = tiny_llm(path, smollm2_tokenizer, max_model_len=64, block_size=8)
     converted = dequantize_into(reference.engine.runner.model, fp8.engine.runner.model)
     model = fp8.engine.runner.model
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
