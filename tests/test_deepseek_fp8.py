@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve import LLM, SamplingParams
+from splitserve import SamplingParams
 from splitserve.engine.fp8_weights import dequantize_block_fp8
 from splitserve.kernels.fp8_quant import BlockFp8, dequantize_blocks
-from tests.support.tiny_models import tiny_deepseek_v3
+from tests.support.tiny_models import tiny_deepseek_v3, tiny_llm
 
 BLOCK = (128, 128)
 FP8_MAX = 448.0
@@ -95,8 +95,8 @@ def test_fp8_checkpoint_loads_its_dequantized_weights(
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
     (fp8_dir / "config.json").write_text(json.dumps(config))
 
-    fp8 = LLM(model=str(fp8_dir), max_model_len=256, block_size=8)
-    reference = LLM(model=str(dequantized_dir), max_model_len=256, block_size=8)
+    fp8 = tiny_llm(str(fp8_dir), smollm2_tokenizer, max_model_len=256, block_size=8)
+    reference = tiny_llm(str(dequantized_dir), smollm2_tokenizer, max_model_len=256, block_size=8)
     ours = dict(fp8.engine.runner.model.named_parameters())
     for name, param in reference.engine.runner.model.named_parameters():
         assert torch.equal(ours[name], param), name
@@ -140,10 +140,9 @@ def test_quantization_fp8_loads_an_fp8_checkpoint_as_it_is(
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
     (fp8_dir / "config.json").write_text(json.dumps(config))
 
-    kept = LLM(model=str(fp8_dir), max_model_len=128, block_size=8, quantization="fp8")
-    requantized = LLM(
-        model=str(dequantized_dir), max_model_len=128, block_size=8, quantization="fp8"
-    )
+    fp8_engine = dict(max_model_len=128, block_size=8, quantization="fp8")
+    kept = tiny_llm(str(fp8_dir), smollm2_tokenizer, **fp8_engine)
+    requantized = tiny_llm(str(dequantized_dir), smollm2_tokenizer, **fp8_engine)
     ours = dict(kept.engine.runner.model.named_parameters())
     layer = ours["layers.1.mlp.w13"]
     assert layer.dtype == torch.float8_e4m3fn and ours["layers.1.mlp.w13_scale_inv"].shape == (

@@ -26,7 +26,7 @@ from tests.support.prefix_counters import (
 )
 from tests.support.redis_process import RedisProcess
 from tests.support.server_process import ServerProcess, serve
-from tests.support.tiny_models import tiny_deepseek_v3
+from tests.support.tiny_models import tiny_deepseek_v3, tiny_llm
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -38,8 +38,8 @@ def checkpoint(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def offline(checkpoint: str) -> LLM:
-    return LLM(model=checkpoint, max_model_len=2048)
+def offline(checkpoint: str, smollm2_tokenizer: Any) -> LLM:
+    return tiny_llm(checkpoint, smollm2_tokenizer, max_model_len=2048)
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from splitserve import LLM, SamplingParams
+from splitserve import SamplingParams
 from splitserve.engine.layers.attention_backends import choose_backend
 from splitserve.engine.local_attention import LocalAttention
 from splitserve.engine.model_config import ModelConfig
 from tests.support.reference import assert_greedy_equal
-from tests.support.tiny_models import tiny_gemma3
+from tests.support.tiny_models import tiny_gemma3, tiny_llm
 
 WINDOW = 8
 LENGTHS = (5, 17, 40, 90)
@@ -55,11 +55,14 @@ def test_gemma3_greedy_matches_transformers_past_the_window(
     prompts: list[list[int]],
     reference: list[list[int]],
     chunk: int,
+    smollm2_tokenizer: Any,
 ) -> None:
     """One batch (prefills beside decodes); chunked: 16-token steps, so later chunks attend
     over cached context longer than the window."""
     hf_model, path = tiny
-    llm = LLM(model=path, max_model_len=512, block_size=8, max_num_batched_tokens=chunk)
+    llm = tiny_llm(
+        path, smollm2_tokenizer, max_model_len=512, block_size=8, max_num_batched_tokens=chunk
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     equal = [

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve import LLM, SamplingParams
-from tests.support.tiny_models import tiny_model
+from splitserve import SamplingParams
+from tests.support.tiny_models import tiny_llm, tiny_model
 
 
 def test_triton_backend_greedy_tokens_equal_torch_backend(
@@ -30,8 +30,9 @@ def test_triton_backend_greedy_tokens_equal_torch_backend(
     # cache starts as zeros.
     for backend, fill in (("torch", 0.0), ("triton", float("nan"))):
         # A 24-token chunk budget splits the longest prompt over two steps (a cached prefix).
-        llm = LLM(
-            model=path,
+        llm = tiny_llm(
+            path,
+            smollm2_tokenizer,
             attention_backend=backend,
             max_model_len=128,
             block_size=16,

@@ -24,7 +24,7 @@ from splitserve.kernels.fp8_quant import quantize_blocks
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
-from tests.support.tiny_models import tiny_model
+from tests.support.tiny_models import tiny_llm, tiny_model
 
 # Triton's interpreter computes bfloat16 dots on raw bits: bfloat16 runs on the GPU only
 # (benchmarks/gpu/fastpath.py checks it there).
@@ -209,9 +209,9 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
     # interpreter runs each program in Python, so the run is kept this short.
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (12, 21)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    kwargs: dict[str, Any] = dict(model=model, max_model_len=96, block_size=16, num_kv_blocks=24)
+    kwargs: dict[str, Any] = dict(max_model_len=96, block_size=16, num_kv_blocks=24)
     kwargs["quantization"] = quantization
-    reference = LLM(**kwargs)
+    reference = tiny_llm(model, smollm2_tokenizer, **kwargs)
     expected = [
         reference.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
     ]
@@ -225,7 +225,7 @@ def test_model_on_every_kernel_gives_the_torch_tokens(
     set_kernels_on_cpu(True)
     set_decode_path(path)
     try:
-        llm = LLM(**kwargs, attention_backend="triton")
+        llm = tiny_llm(model, smollm2_tokenizer, **kwargs, attention_backend="triton")
         tokens = [
             llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
         ]

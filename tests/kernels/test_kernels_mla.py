@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve import LLM, SamplingParams
+from splitserve import SamplingParams
 from splitserve.engine.layers.fp8_kv import pack_kv
 from splitserve.engine.layers.mla import mla_decode
 from splitserve.kernels.mla_decode import mla_decode_attention
-from tests.support.tiny_models import tiny_deepseek_v3
+from tests.support.tiny_models import tiny_deepseek_v3, tiny_llm
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,9 @@ def test_triton_backend_deepseek_greedy_tokens_equal_torch_backend(
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     tokens = {}
     for backend, fill in (("torch", 0.0), ("triton", float("nan"))):
-        llm = LLM(model=path, attention_backend=backend, max_model_len=128, block_size=16)
+        llm = tiny_llm(
+            path, smollm2_tokenizer, attention_backend=backend, max_model_len=128, block_size=16
+        )
         llm.engine.runner.kv_cache.fill_(fill)
         assert llm.engine.runner.model.mla_layers()[0].kernel == (backend == "triton")
         tokens[backend] = [
