@@ -93,6 +93,9 @@ LATE_MODULES = frozenset(
 )
 
 
+SCALES_SHARED = frozenset({"test_deploy_scale"})
+"""Modules that scale a shared deployment (up, then back to its replicas): they run after the
+deployment's other users, so that none of those sees it scaled or its request log grown."""
 SHARED_SERVERS = ("default_server", "keyed_server")
 """The session's shared deployments. Idle, one still takes about 6% of a core (heartbeats,
 its Ray): each is stopped after the last test that uses it (pytest_runtest_teardown), and
@@ -109,10 +112,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.processes)
     sharing = {_module_name(item) for item in items if _shared_servers(item)}
 
-    def order(item: pytest.Item) -> tuple[bool, bool, bool]:
+    def order(item: pytest.Item) -> tuple[bool, bool, bool, bool]:
         """Stable: else unchanged. Whole modules move: their module fixtures start once."""
         module = _module_name(item)
-        return module in LATE_MODULES, module not in sharing, not _joins_ray_head(item)
+        late, scales = module in LATE_MODULES, module in SCALES_SHARED
+        return late, module not in sharing, scales, not _joins_ray_head(item)
 
     items.sort(key=order)
 
@@ -120,7 +124,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 RAY_HEAD_MODULES = frozenset(
     {
         "test_deepseek_serving",
-        "test_deploy_scale",
         "test_disagg_2p1d",
         "test_disagg_chaos",
         "test_disagg_faults",
@@ -264,9 +267,10 @@ def hf_smollm2(smollm2_path: str, smollm2_tokenizer: Any) -> Any:
 @pytest.fixture(scope="session")
 def default_server(pytestconfig: pytest.Config) -> Iterator[ServerProcess]:
     """The default deployment (one prefill and one decode worker), started once for every
-    module that only sends it requests and waits until they are done. A module that scales
-    it, kills its workers or needs other settings starts its own with ``serve``. This one
-    starts its own Ray, exactly as `make serve` does; the others join one shared head."""
+    module that only sends it requests and waits until they are done, and last for the one
+    that scales it up and back (SCALES_SHARED). A module that kills its workers or needs
+    other settings starts its own with ``serve``. This one starts its own Ray, exactly as
+    `make serve` does; the others join one shared head."""
     with serve(private_ray=True) as server:
         pytestconfig.stash.setdefault(STARTED, {})["default_server"] = server
         yield server
