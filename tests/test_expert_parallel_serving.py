@@ -21,12 +21,12 @@ import openai
 import pytest
 import torch
 
-from splitserve import LLM, SamplingParams
+from splitserve import SamplingParams
 from splitserve.cli import main as cli_main
 from splitserve.eplb.traces import load_served, load_trace
 from tests.support.reference import assert_greedy_equal, hf_greedy
 from tests.support.server_process import ServerProcess, serve, worker_metric, worker_pids
-from tests.support.tiny_models import tiny_deepseek_v3, tiny_mixtral, tiny_qwen3_moe
+from tests.support.tiny_models import tiny_deepseek_v3, tiny_llm, tiny_mixtral, tiny_qwen3_moe
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
@@ -65,13 +65,15 @@ def checkpoints(
 
 @pytest.fixture(scope="module")
 def offline(
-    checkpoints: dict[str, tuple[Any, str, list[list[int]]]], prompts: list[list[int]]
+    checkpoints: dict[str, tuple[Any, str, list[list[int]]]],
+    prompts: list[list[int]],
+    smollm2_tokenizer: Any,
 ) -> dict[str, list[Any]]:
     """family -> the offline engine's greedy outputs (one engine per family for the module)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     outputs = {}
     for family, (_, path, _) in checkpoints.items():
-        llm = LLM(model=path, max_model_len=512, block_size=16)
+        llm = tiny_llm(path, smollm2_tokenizer, max_model_len=512, block_size=16)
         outputs[family] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     return outputs
 
@@ -172,6 +174,7 @@ def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_co
     checkpoints: dict[str, tuple[Any, str, list[list[int]]]],
     offline: dict[str, list[Any]],
     prompts: list[list[int]],
+    smollm2_tokenizer: Any,
 ) -> None:
     """Two decode groups of 2 ranks. SIGKILL one rank while every group streams: the requests
     of both its ranks continue on the other group (migration) with the text of an
@@ -179,7 +182,7 @@ def test_a_killed_rank_takes_its_group_out_its_requests_migrate_and_the_group_co
     decodes again."""
     _, path, _ = checkpoints["mixtral"]
     params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True)
-    llm = LLM(model=path, max_model_len=512, block_size=16)
+    llm = tiny_llm(path, smollm2_tokenizer, max_model_len=512, block_size=16)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     expected_short = [o.text for o in offline["mixtral"]]
     with serve(
