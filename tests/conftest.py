@@ -16,6 +16,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_tokenizer, resolve_model
 from tests.support import keyed_deployment, ray_head
+from tests.support.collect import collect_dropped_engines
 from tests.support.disagg import PROMPTS, Reference, reference
 from tests.support.reference import load_gguf_tensors
 from tests.support.server_process import ServerProcess, serve, stop
@@ -38,7 +39,7 @@ def make_llm(smollm2_tokenizer: Any) -> Callable[..., LLM]:
     """Builds a SmolLM2 LLM with engine overrides, reusing the loaded tokenizer."""
 
     def build(**overrides: Any) -> LLM:
-        gc.collect()  # the engines of earlier tests first (see free_engines)
+        collect_dropped_engines()  # the engines of earlier tests first
         overrides.setdefault("max_model_len", 2048)
         config = EngineConfig(model=SMOLLM2, **overrides)
         return LLM.from_engine(LLMEngine(config, tokenizer=smollm2_tokenizer))
@@ -214,12 +215,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def free_engines() -> Iterator[None]:
-    """Collect the module's engines when it ends. An engine is a reference cycle (its KV
-    handoff and prefix cache point back at it), freed only by the cyclic collector, which
-    counts Python objects, not bytes: a few dozen dropped engines (each about 2 GB of
-    weights, packed weights and KV on the CPU) once outgrew the 24 GB machine."""
+    """Collect the module's engines when it ends (tests/support/collect.py)."""
     yield
-    gc.collect()
+    collect_dropped_engines()
 
 
 @pytest.fixture(scope="session")
