@@ -7,8 +7,10 @@ For each projection (q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096, dow
 reference (``fp8_matmul_ref``), then the time of bfloat16 ``F.linear``, of ``_scaled_mm``
 (activations quantized per row, weights per output channel: its row-wise recipe), of the
 kernel alone (activations already quantized) and of the kernel with the per-token-group
-quantization before it (what a projection costs in the engine); the speedups over bfloat16
-and GB/s on the bytes each reads (FP8: one byte a weight, plus the scales).
+quantization before it (what a projection costs in the engine), and of cuBLAS's block-scaled
+path (``kernels/fp8_cublas.py``, with and without the quantization) where torch has it; the
+speedups over bfloat16 and GB/s on the bytes each reads (FP8: one byte a weight, plus the
+scales).
 
     python -m benchmarks.kernels.fp8_gemm            # on the GPU machine; $OUT/fp8_gemm.json
     python -m benchmarks.kernels.fp8_gemm --sweep    # weights from memory, CUDA graphs: every
@@ -33,6 +35,7 @@ import triton
 import triton.testing
 
 from splitserve.bench.report import git_commit
+from splitserve.kernels import fp8_cublas
 from splitserve.kernels.fp8_act import quantize_groups_kernel
 from splitserve.kernels.fp8_dense import (
     DenseTiles,
@@ -106,6 +109,17 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
             lambda: fp8_dense_gemm(*quantize_groups(x), weight, dtype), device
         ),
     }
+    if fp8_cublas.available(device) and n % 128 == 0 and k % 128 == 0:
+        block = fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, torch.float32)
+        result["cublas_block_err"] = ((block - ref).abs() / (1 + ref.abs())).max().item()
+        times["cublas_block_us"] = time_us(
+            lambda: fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, dtype), device
+        )
+        times["cublas_block_with_quant_us"] = time_us(
+            lambda: fp8_cublas.block_scaled_mm(*quantize_groups_kernel(x), weight, dtype),
+            device,
+        )
+    result["cublas_block_available"] = fp8_cublas.available(device)
     w_row, w_scale = rowwise(w)
     x_row, x_row_scale = rowwise(x)
     times["scaled_mm_us"] = time_us(

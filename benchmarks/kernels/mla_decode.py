@@ -7,13 +7,14 @@ Checks the kernel against ``engine/layers/mla.py: mla_decode`` (exits 1 on a mis
 prints one JSON line: per context the kernel's time in µs at its default tile (key 0) and at
 16, 32 and 64 tokens a tile, the reference's, and the
 kernel's share of the bandwidth bound of the latent cache it reads (batch x context x 576 x 2
-bytes at 4.24 TB/s, the H200's measured copy bandwidth, docs/performance.md); written to
+bytes at the copy bandwidth measured in the same run: 4.24 TB/s on an H200); written to
 $OUT/mla-decode.json when OUT is set. Target (issue 41): >= 70% at batch 64 and 4k context.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -23,11 +24,14 @@ from typing import Any
 import torch
 
 from splitserve.bench.report import git_commit
+from splitserve.bench.roofline import measure_ceilings
 from splitserve.engine.layers.mla import mla_decode
 from splitserve.kernels.mla_decode import mla_decode_attention
 
 HEADS, LORA, ROPE, BLOCK_SIZE = 128, 512, 64, 16
 BANDWIDTH = 4.24e12
+"""The copy bandwidth the shares are taken against: the H200's measured 4.24 TB/s until
+``main`` measures the GPU it runs on (``bench/roofline.py: measure_ceilings``)."""
 MATMUL_RATE = 790e12
 DEV = torch.device("cuda")
 
@@ -90,32 +94,47 @@ def one(batch: int, context: int, heads: int = HEADS) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def sweep(batch: int, context: int, heads: str, warps: str, tokens: str) -> list[dict[str, Any]]:
-    """The kernel's time at each tile shape (heads a program, warps, tokens a tile) on one
-    case; a shape Triton cannot compile (too much shared memory) is left out."""
-    query, cache, tables, lens = case(batch, context)
+def sweep(
+    batch: int,
+    context: int,
+    heads: str,
+    warps: str,
+    tokens: str,
+    splits: str,
+    stages: str,
+    query_heads: int = HEADS,
+) -> list[dict[str, Any]]:
+    """The kernel's time at each launch shape (heads a program, warps, tokens a tile, splits
+    of the context, pipeline stages; 0: the default) on one case; a shape Triton cannot
+    compile (too much shared memory) is left out."""
+    query, cache, tables, lens = case(batch, context, query_heads)
     scale = SCALE
     ref = mla_decode(query.float(), cache.float(), tables, lens, scale, LORA)
     read = batch * context * (LORA + ROPE) * 2
     rows = []
-    for block_h in map(int, heads.split(",")):
-        for num_warps in map(int, warps.split(",")):
-            for block_n in map(int, tokens.split(",")):
-                tiles = {"block_n": block_n, "block_h": block_h, "num_warps": num_warps}
+    for block_h, num_warps, block_n, num_splits, num_stages in itertools.product(
+        *(list(map(int, values.split(","))) for values in (heads, warps, tokens, splits, stages))
+    ):
+        if block_h > max(16, query_heads):
+            continue
+        tiles = {
+            "block_n": block_n, "block_h": block_h, "num_warps": num_warps,
+            "num_splits": num_splits or None, "num_stages": num_stages or None,
+        }  # fmt: skip
 
-                def run(tiles: dict[str, int] = tiles) -> Any:
-                    return mla_decode_attention(query, cache, tables, lens, scale, LORA, **tiles)
+        def run(tiles: dict[str, Any] = tiles) -> Any:
+            return mla_decode_attention(query, cache, tables, lens, scale, LORA, **tiles)
 
-                try:
-                    err = float((run().float() - ref).abs().max())
-                    us = time_us(run)
-                except Exception as exc:  # out of resources: not a candidate
-                    print(f"block_h {block_h} warps {num_warps} block_n {block_n}: {exc!r:.120}")
-                    continue
-                rows.append({
-                    "block_h": block_h, "num_warps": num_warps, "block_n": block_n, "us": us,
-                    "max_abs_err": err, "bandwidth_share": read / (us * 1e-6) / BANDWIDTH,
-                })  # fmt: skip
+        try:
+            err = float((run().float() - ref).abs().max())
+            us = time_us(run)
+        except Exception as exc:  # out of resources: not a candidate
+            print(f"{tiles}: {exc!r:.120}")
+            continue
+        rows.append({
+            **tiles, "us": us, "max_abs_err": err,
+            "bandwidth_share": read / (us * 1e-6) / BANDWIDTH,
+        })  # fmt: skip
     return sorted(rows, key=lambda r: r["us"])
 
 
@@ -128,16 +147,34 @@ def main() -> int:
     parser.add_argument("--sweep-heads", default="16,32,64,128", help="BLOCK_H values")
     parser.add_argument("--sweep-warps", default="4,8,16")
     parser.add_argument("--sweep-tokens", default="16,32,64,128", help="BLOCK_N values")
+    parser.add_argument("--sweep-splits", default="0", help="splits of the context (0: default)")
+    parser.add_argument("--sweep-stages", default="0", help="pipeline stages (0: Triton's)")
+    parser.add_argument("--sweep-query-heads", type=int, default=HEADS, help="the case's heads")
     args = parser.parse_args()
+    global BANDWIDTH, MATMUL_RATE
+    ceilings = measure_ceilings(DEV, torch.bfloat16)
+    BANDWIDTH, MATMUL_RATE = ceilings.bandwidth_bytes_per_s, ceilings.matmul_flops_per_s
     rows = [
         one(args.batch, int(c), int(h))
         for h in args.heads.split(",")
         for c in args.contexts.split(",")
     ]
     device = torch.cuda.get_device_name()
-    result: dict[str, Any] = {"commit": git_commit(), "device": device, "rows": rows}
+    result: dict[str, Any] = {
+        "commit": git_commit(), "device": device, "bandwidth": BANDWIDTH,
+        "matmul_rate": MATMUL_RATE, "rows": rows,
+    }  # fmt: skip
     if args.sweep:
-        tiles = sweep(args.batch, args.sweep, args.sweep_heads, args.sweep_warps, args.sweep_tokens)
+        tiles = sweep(
+            args.batch,
+            args.sweep,
+            args.sweep_heads,
+            args.sweep_warps,
+            args.sweep_tokens,
+            args.sweep_splits,
+            args.sweep_stages,
+            args.sweep_query_heads,
+        )
         result["sweep"] = tiles
         for r in tiles[:8]:
             print(r)

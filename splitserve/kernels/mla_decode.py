@@ -106,6 +106,7 @@ def mla_decode_attention(
     block_n: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """query [B, H, latent_dim] over latent_cache [num_blocks, block_size, 1, latent_dim]
     (an FP8 cache: latent_dim + 4, each row's scale after it, dequantized as it is loaded)
@@ -152,7 +153,8 @@ def mla_decode_attention(
         LORA=value_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size,
         BLOCK_N=block_n or min(tokens, max(16, 32768 // value_dim)), NUM_SPLITS=splits,
         PRECISION=dot_precision(query.dtype),
-        FP8_KV=fp8, num_warps=num_warps, **pdl.launch_kwargs(query),
+        FP8_KV=fp8, num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}),
+        **pdl.launch_kwargs(query),
     )  # fmt: skip
     if splits > 1:
         merge_splits(part_out, part_lse, out)

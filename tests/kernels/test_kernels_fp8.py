@@ -165,3 +165,24 @@ def test_fp8_layers_on_the_kernels_equal_the_cpu_path(
             set_kernels_on_cpu(False)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cublas_block_scaled_path_is_taken_only_where_it_was_checked() -> None:
+    """The CPU (and a torch without the recipe) keeps the Triton launches: ``available`` is
+    False there; on a GPU that has the recipe its product equals the dequantizing reference
+    up to float32 summation order, and only whole 128-wide groups of enough rows go to it."""
+    from splitserve.kernels import fp8_cublas
+
+    assert not fp8_cublas.available(torch.device("cpu"))
+    assert fp8_cublas.fits(fp8_cublas.MIN_ROWS, 256, 512)
+    assert not fp8_cublas.fits(fp8_cublas.MIN_ROWS - 1, 256, 512)
+    assert not fp8_cublas.fits(fp8_cublas.MIN_ROWS, 200, 512)
+    if not (torch.cuda.is_available() and fp8_cublas.available(torch.device("cuda"))):
+        return
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 1024, device="cuda"), torch.randn(640, 1024, device="cuda")
+    x_fp8, x_scale = quantize_groups(x)
+    weight = quantize_blocks(w)
+    got = fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, torch.float32)
+    want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
+    assert ((got - want).abs() / (1 + want.abs())).max() < 1e-3

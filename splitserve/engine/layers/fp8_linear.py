@@ -8,11 +8,12 @@ embeddings, the LM head, the norms, the MoE router and MLA's latent up-projectio
 
 A product quantizes its input per token and 128-channel group, then runs the FP8 x FP8 GEMM:
 the Triton kernels where the kernels run (``kernels/fp8_dense.py``; ``kernels/grouped_gemm.py``
-for experts), else the dequantizing torch reference (slow, but every test and deployment shape
-runs on the CPU). Where the kernels run and on the CPU, products of a few rows (decode) skip
-the quantization and take the rows as they are against the dequantized weights
-(``W8A16_MAX_ROWS``); on the kernels one row goes through the fused GEMV
-(``layers/linear.py``).
+for experts), products of ``fp8_cublas.MIN_ROWS`` rows or more on cuBLAS's block-scaled path
+where the GPU's torch has it (``kernels/fp8_cublas.py``), else the dequantizing torch
+reference (slow, but every test and deployment shape runs on the CPU). Where the kernels run
+and on the CPU, products of a few rows (decode) skip the quantization and take the rows as
+they are against the dequantized weights (``W8A16_MAX_ROWS``); on the kernels one row goes
+through the fused GEMV (``layers/linear.py``).
 
 Which modules become FP8, and how a checkpoint gets there: ``engine/fp8_weights.py``.
 """
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.kernels import fp8_cublas
 from splitserve.kernels.dispatch import use_kernels
 from splitserve.kernels.fp8_quant import (
     FP8,
@@ -60,7 +62,11 @@ def fp8_linear(
 
         if few:
             return fp8_dense_gemm(x.contiguous(), None, weight, x.dtype)
-        return fp8_dense_gemm(*quantize_groups_kernel(x.contiguous()), weight, x.dtype)
+        quantized = quantize_groups_kernel(x.contiguous())
+        n, k = weight.data.shape
+        if fp8_cublas.fits(x.shape[0], n, k) and fp8_cublas.available(x.device):
+            return fp8_cublas.block_scaled_mm(*quantized, weight, x.dtype)
+        return fp8_dense_gemm(*quantized, weight, x.dtype)
     rows = x.float() if few else dequantize_groups(*quantize_groups(x))
     if dequantized is None:
         dequantized = dequantize_blocks(weight)

@@ -1,0 +1,70 @@
+"""cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 and 128 x 128 scales).
+
+Since CUDA 12.9 cuBLAS multiplies e4m3 matrices with DeepSeek's scales on Hopper: one scale per
+row and 128-channel group of the activations (``fp8_quant.quantize_groups``) and one per 128 x
+128 block of the weight (``BlockFp8``), promoting each group's partial sums into the float32
+accumulator on the way. Where torch passes those scales through (they must be float32, the
+activations' laid out column-major), a prefill's products run at cuBLAS's FP8 rate, where the
+Triton launch (``fp8_dense.py``) scales and adds each group's dot apart and reached 0.7-1.0x of
+bfloat16 at 8,192 rows on an H100.
+
+Whether this torch and GPU take the recipe is found once per device by a small product checked
+against the dequantizing reference (``fp8_quant.fp8_matmul_ref``): a torch without the recipe
+raises, and a wrong layout would give wrong numbers, so either way the engine keeps the Triton
+launch. The CPU (the tests) never takes this path.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from splitserve.kernels.fp8_quant import (
+    BLOCK,
+    BlockFp8,
+    fp8_matmul_ref,
+    quantize_blocks,
+    quantize_groups,
+)
+
+MIN_ROWS = 128
+"""Products of at least this many rows (prefill chunks, large batches) take cuBLAS where it
+has the recipe; fewer rows stay on the Triton launches, which split K to fill the GPU."""
+
+
+def fits(m: int, n: int, k: int) -> bool:
+    """Shapes cuBLAS's block-scaled path takes: whole 128-wide groups along K and N."""
+    return m >= MIN_ROWS and n % BLOCK == 0 and k % BLOCK == 0
+
+
+def block_scaled_mm(
+    x: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x [M, K] e4m3 with x_scale [M, K / 128] float32 times weight [N, K] e4m3 (scales [N /
+    128, K / 128]) -> [M, N] in out_dtype, on cuBLAS."""
+    # cuBLAS reads the activations' scales column-major (each group's scales of every row
+    # side by side) and the weight as K x N column-major, which the transposes are.
+    scale_a = x_scale.t().contiguous().t()
+    return torch._scaled_mm(
+        x, weight.data.t(), scale_a=scale_a, scale_b=weight.scale.t(), out_dtype=out_dtype
+    )
+
+
+@cache
+def available(device: torch.device) -> bool:
+    """True when this device and torch multiply block-scaled FP8 on cuBLAS correctly: a
+    256 x 384 x 512 product against the dequantizing reference (relative error under 1%)."""
+    if device.type != "cuda":
+        return False
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(256, 512, device=device, generator=generator)
+    w = torch.randn(384, 512, device=device, generator=generator)
+    x_fp8, x_scale = quantize_groups(x)
+    weight = quantize_blocks(w)
+    try:
+        got = block_scaled_mm(x_fp8, x_scale, weight, torch.float32)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
+    return bool((got - want).norm() <= 0.01 * want.norm())
