@@ -160,11 +160,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    programs: int, max_context: int, device: torch.device, min_tokens: int = 256
+    programs: int, max_context: int, device: torch.device, min_tokens: int = 256, per_sm: int = 2
 ) -> int:
-    """Enough splits to give every SM about two programs, each split >= min_tokens; a power
-    of two (rounded down), so that a server compiles six variants at most (engine/warm_up.py)."""
-    want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
+    """Enough splits to give every SM about ``per_sm`` programs, each split >= min_tokens; a
+    power of two (rounded down), so that a server compiles six variants at most
+    (engine/warm_up.py)."""
+    want = triton.cdiv(per_sm * _num_sms(device), max(programs, 1))
     splits = max(1, min(want, triton.cdiv(max_context, min_tokens), 32))
     return 1 << (splits.bit_length() - 1)
 

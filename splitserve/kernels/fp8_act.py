@@ -19,6 +19,17 @@ from splitserve.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, TINY, blocks
 
 
 @triton.jit
+def round_to_e4m3(q):
+    """float32 values within e4m3's range rounded to its grid (3 mantissa bits; a step of
+    2^-9 below 2^-6): adding and taking away 1.5 * 2^23 steps rounds to nearest even, so the
+    cast to e4m3 after it is exact."""
+    exponent = (q.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.maximum(exponent, 127 - 6)  # e4m3's subnormals share 2^-6's step
+    magic = ((exponent + 20) << 23 | 0x400000).to(tl.float32, bitcast=True)
+    return (q + magic) - magic
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, stride_scale,
     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
@@ -29,13 +40,7 @@ def _quantize_kernel(
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0), TINY) / FP8_MAX
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-    # Rounded to e4m3's grid in float32 first (3 mantissa bits; a step of 2^-9 below 2^-6):
-    # adding and taking away 1.5 * 2^23 steps rounds to nearest even; the cast is then exact.
-    exponent = (q.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    exponent = tl.maximum(exponent, 127 - 6)  # e4m3's subnormals share 2^-6's step
-    magic = ((exponent + 20) << 23 | 0x400000).to(tl.float32, bitcast=True)
-    q = (q + magic) - magic
+    q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
     tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_scale + group, scale)
 

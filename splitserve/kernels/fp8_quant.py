@@ -27,9 +27,12 @@ BLOCK = 128
 """The weight block's rows and columns, and the activation group's channels."""
 TINY = 1e-12
 """The smallest scale's numerator: an all-zero block keeps a finite scale (its values 0)."""
-KV_SCALE_VALUES = 4
-"""An FP8 KV cache row's last e4m3 slots, which hold its float32 scale's bytes
-(``engine/layers/fp8_kv.py``); the attention kernels read them."""
+KV_SCALE_VALUES = 16
+"""An FP8 KV cache row's last e4m3 slots: its float32 scale's 4 bytes, then 12 zero bytes
+that keep every row 16-byte aligned (``engine/layers/fp8_kv.py``); the attention kernels
+read the scale. With 4 bytes (rows of 132) the Triton kernels loaded each row byte by byte:
+the decode kernel at batch 16 and 4k context took 443 µs a layer on an H200 against
+bfloat16's 114, for half the bytes."""
 
 
 @dataclass(frozen=True)

@@ -133,14 +133,20 @@ def mla_decode_attention(
     # memory. Fewer heads (V2-Lite's 16) take one tile of them, and 32 tokens a tile: at 16
     # heads, batch 64, 4k / 16k / 32k context 127 / 415 / 807 µs against 161 / 587 / 1,153 with
     # 64 tokens (56-71% of the latent cache's bandwidth bound; the same run, 1k: 135 / 135).
+    # Fewer heads also took twice the splits (about four programs an SM) and two pipeline
+    # stages: 118 µs at 4k against 148 (--sweep 4096 --sweep-query-heads 16, H200, 62% of its
+    # measured 4.10 TB/s copy bandwidth).
     block_h = block_h or min(64, max(16, triton.next_power_of_2(num_heads)))
-    tokens = 64 if block_h >= 64 else 32
-    num_warps = num_warps or (8 if block_h >= 64 else 4)
+    few_heads = block_h < 64
+    tokens = 32 if few_heads else 64
+    num_warps = num_warps or (4 if few_heads else 8)
+    num_stages = num_stages or (2 if few_heads else None)
     head_tiles = triton.cdiv(num_heads, block_h)
     _, min_tokens = choose_tiles(batch * head_tiles, query.device, query.element_size())
     splits = num_splits or choose_num_splits(
-        batch * head_tiles, block_tables.shape[1] * block_size, query.device, min_tokens
-    )
+        batch * head_tiles, block_tables.shape[1] * block_size, query.device, min_tokens,
+        per_sm=4 if few_heads else 2,
+    )  # fmt: skip
     part_out = part_lse = out
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, value_dim), device=query.device)

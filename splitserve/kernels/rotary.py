@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels import pdl
+from splitserve.kernels.fp8_act import round_to_e4m3
+from splitserve.kernels.fp8_quant import FP8, FP8_MAX, KV_SCALE_VALUES, TINY
 
 
 @triton.jit
@@ -71,12 +73,32 @@ def _rotary_kernel(
 
 
 @triton.jit
+def store_kv(
+    dst, h, d, mask, head_ok, rows,
+    FP8_MAX: tl.constexpr, TINY: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_ROWS: tl.constexpr,
+):  # fmt: skip
+    """rows [heads, D] into a cache at dst (the token's first head; h [heads, 1]: the heads'
+    offsets in elements, d [1, D]: columns, head_ok [heads, 1]); FP8 rows as
+    ``fp8_kv.pack_kv`` makes them: e4m3 values scaled by the row's largest magnitude over
+    448, that float32 scale after them (the padding after it stays the pool's zeros)."""
+    if FP8_ROWS:
+        x = rows.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 1), TINY)[:, None] / FP8_MAX
+        q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+        tl.store(dst + h + d, q.to(dst.dtype.element_ty), mask=mask)
+        tl.store((dst + h + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=head_ok)
+    else:
+        tl.store(dst + h + d, rows, mask=mask)
+
+
+@triton.jit
 def _rotary_kv_write_kernel(
     pos_ptr, cos_ptr, sin_ptr, qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_cos, stride_qkv, stride_qot, stride_qoh, stride_cb, stride_cs, stride_ch,
     num_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAD_H: tl.constexpr, PAD_HKV: tl.constexpr, PAD_D: tl.constexpr, PDL: tl.constexpr,
+    FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -90,13 +112,16 @@ def _rotary_kv_write_kernel(
     if slot >= 0:
         at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         k_src = row + num_heads * HEAD_DIM
-        _rotate_heads(k_src, k_cache_ptr + at, HEAD_DIM, stride_ch, num_kv_heads, c, s,
-                      HEAD_DIM, PAD_HKV, PAD_D)  # fmt: skip
         h = tl.arange(0, PAD_HKV)[:, None]
         d = tl.arange(0, PAD_D)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
+        k = rotate_half(k_src + h * HEAD_DIM, d, c, s, mask, HEAD_DIM // 2)
         v = tl.load(k_src + num_kv_heads * HEAD_DIM + h * HEAD_DIM + d, mask=mask)
-        tl.store(v_cache_ptr + at + h * stride_ch + d, v, mask=mask)
+        head_ok = h < num_kv_heads
+        store_kv(k_cache_ptr + at, h * stride_ch, d, mask, head_ok, k,
+                 FP8_MAX, TINY, HEAD_DIM, FP8_KV)  # fmt: skip
+        store_kv(v_cache_ptr + at, h * stride_ch, d, mask, head_ok, v,
+                 FP8_MAX, TINY, HEAD_DIM, FP8_KV)  # fmt: skip
 
 
 def rotary_embedding(
@@ -134,12 +159,15 @@ def rotary_kv_write(
 ) -> torch.Tensor:
     """One launch for rotary and the K/V write: qkv [T, (H + 2 * Hkv) * D] (q | k | v) ->
     the rotated q [T, H, D]; the rotated k and v go to the paged caches at their slots
-    (negative slots are padding and skipped). Caches are [blocks, block_size, Hkv, D]."""
+    (negative slots are padding and skipped). Caches are [blocks, block_size, Hkv, D], or
+    an FP8 cache's [..., D + 16] rows, which the launch quantizes (``fp8_kv.py``)."""
     tokens = qkv.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, width = k_cache.shape
+    fp8 = k_cache.dtype == FP8
+    head_dim = width - KV_SCALE_VALUES if fp8 else width
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert k_cache.dtype == qkv.dtype and slot_mapping.is_contiguous()
+    assert k_cache.dtype in (qkv.dtype, FP8) and slot_mapping.is_contiguous()
     q_out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q_out
@@ -150,7 +178,7 @@ def rotary_kv_write(
         num_heads, num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAD_H=triton.next_power_of_2(num_heads),
         PAD_HKV=triton.next_power_of_2(num_kv_heads), PAD_D=triton.next_power_of_2(head_dim),
-        **pdl.launch_kwargs(qkv),
+        FP8_KV=fp8, FP8_MAX=FP8_MAX, TINY=TINY, **pdl.launch_kwargs(qkv),
     )  # fmt: skip
     return q_out
 

@@ -183,6 +183,6 @@ def test_cublas_block_scaled_path_is_taken_only_where_it_was_checked() -> None:
     x, w = torch.randn(300, 1024, device="cuda"), torch.randn(640, 1024, device="cuda")
     x_fp8, x_scale = quantize_groups(x)
     weight = quantize_blocks(w)
-    got = fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, torch.float32)
+    got = fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, torch.bfloat16).float()
     want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
-    assert ((got - want).abs() / (1 + want.abs())).max() < 1e-3
+    assert ((got - want).abs() / (1 + want.abs())).max() < 1e-2  # bfloat16's rounding

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.layers.attention import write_kv
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.kernels import gemv as gemv_module
 from splitserve.kernels.argmax import argmax_rows
@@ -20,7 +21,7 @@ from splitserve.kernels.decode_attention import (
     paged_decode_attention_qkv,
 )
 from splitserve.kernels.dispatch import set_decode_path, set_kernels_on_cpu
-from splitserve.kernels.fp8_quant import quantize_blocks
+from splitserve.kernels.fp8_quant import FP8, KV_SCALE_VALUES, quantize_blocks
 from splitserve.kernels.gemv import Tiles, gemv, gemv_ref
 from splitserve.kernels.kv_write import write_kv_cache_ref
 from splitserve.kernels.rotary import rotary_embedding_ref, rotary_kv_write
@@ -130,6 +131,44 @@ def test_rotary_kv_write_equals_rotary_then_write(
     torch.testing.assert_close(q.float(), q_expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache.float(), k_ref.float(), atol=tol, rtol=tol)
     assert torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (6, 2, 64), (3, 1, 48)])
+def test_rotary_kv_write_into_an_fp8_cache_packs_rows_as_the_torch_write(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Over an FP8 cache the launch quantizes each rotated K row and each V row as
+    ``fp8_kv.pack_kv`` does: the same e4m3 bytes, the same scale, the padding untouched
+    (float32 activations: the rotation's own rounding is the torch code's)."""
+    torch.manual_seed(heads * head_dim)
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    block_size, num_blocks, tokens = 16, 8, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3
+    positions = torch.tensor([0, 5, 17, 100, 255, 3])
+    slots = torch.tensor([3, 40, -1, 127, 16, 0])
+    width = head_dim + KV_SCALE_VALUES
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, width, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    rotary_kv_write(
+        positions, qkv, heads, rotary.cos, rotary.sin, k_cache.view(FP8), v_cache.view(FP8),
+        slots,
+    )  # fmt: skip
+
+    q_in, k_in, v_in = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    _, k_rot = rotary_embedding_ref(
+        positions, q_in.view(tokens, heads, head_dim), k_in.view(tokens, kv_heads, head_dim),
+        rotary.cos, rotary.sin,
+    )  # fmt: skip
+    written = slots >= 0
+    v_rows = v_in.reshape(tokens, kv_heads, head_dim)
+    write_kv(k_rot[written], v_rows[written], k_ref.view(FP8), v_ref.view(FP8), slots[written])
+    flat = (-1, kv_heads, width)
+    for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+        got, want = cache.view(flat)[slots[written]], ref.view(flat)[slots[written]]
+        assert torch.equal(got, want)
+        assert cache.view(flat)[slots[written]][..., head_dim + 4 :].eq(0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -6,8 +6,9 @@ run as one launch for the whole step; a step of decode tokens only runs all thre
 tensors (row starts, lengths, context lengths, a padded block table); they are built once per
 step, on the first layer that sees the metadata, and reused by the other layers.
 
-Over an FP8 cache (``layers/fp8_kv.py``) the K/V write is torch's (``write_kv``, which
-quantizes) and rotary runs on its own; the attention kernels dequantize the rows they load.
+Over an FP8 cache (``layers/fp8_kv.py``) the rotary and K/V write launch quantizes each row
+as it writes it and the attention kernels dequantize the rows they load; decode steps take
+two launches there (the fused one's write does not quantize).
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ class TritonAttention(AttentionBackend):
         """Rotary and the K/V write in one launch, then attention over the cache; all three in
         one launch when every token of the step is a decode token of its own sequence (not a
         verify step, whose rows read each other's K/V)."""
-        if is_fp8_cache(k_cache):
-            return super().forward_qkv(qkv, positions, rotary, k_cache, v_cache, meta)
-        if not meta.prefills and meta.num_decode_tokens == qkv.shape[0] and not meta.verify:
+        decode_only = not meta.prefills and meta.num_decode_tokens == qkv.shape[0]
+        # The fused launch's write does not quantize: an FP8 cache takes two launches.
+        if decode_only and not meta.verify and not is_fp8_cache(k_cache):
             return paged_decode_attention_qkv(
                 qkv, self.num_heads, positions, rotary.cos, rotary.sin, meta.slot_mapping,
                 k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
