@@ -17,6 +17,7 @@ from splitserve.engine.kv_cache_spec import KVCacheSpec
 from splitserve.engine.layers import v4_decode
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment
 from splitserve.engine.layers.v4_cache import cache_groups
+from splitserve.engine.layers.v4_prefill import Indexer, pick
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import Request
 from splitserve.kvstore.store import BlockStore, BlockStoreConfig
@@ -90,12 +91,12 @@ def test_modules_equal_transformers(v4: tuple[Any, str], llm: LLM) -> None:
             )
             torch.testing.assert_close(got, ref[0][0, 0], rtol=1e-5, atol=1e-5)
         keys = indexer.compressor.pool(indexer.compressor.project(x), torch.arange(tokens // 4))
-        chosen = indexer.select(x, q_residual, positions, keys)
+        index_q, weights = indexer.queries(x, q_residual, positions)
+        chooser = Indexer(index_q, weights, keys, indexer.topk)
+        seen = ((positions + 1) // 4)[:, None]
+        chosen = pick(chooser, 0, tokens, keys.shape[0], seen).sort(dim=1).values
         picks = attn.compressor.indexer(x[None], q_residual[None], positions[None], None, 0)[0]
-        expected = torch.zeros_like(chosen)
-        for row, pick in enumerate(picks.tolist()):
-            expected[row, [p for p in pick if p >= 0]] = True
-        assert torch.equal(chosen, expected) and chosen.sum(dim=1).max() == 3
+        assert torch.equal(chosen, picks.sort(dim=1).values) and (chosen >= 0).sum(1).max() == 3
         token_ids = torch.tensor(ids(tokens, 1))
         for index in (0, 1):  # hash, top-k
             got = ours.layers[index].mlp.experts_of(x, token_ids)

@@ -40,19 +40,6 @@ class LightningIndexer(nn.Module):
         q = rotate(q, *self.rope.tables(positions))
         return q, dense(x, self.weights_proj).float() * self.heads**-0.5
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
-        positions: torch.Tensor,
-        keys: torch.Tensor,
-    ) -> torch.Tensor:
-        """[L, n] bool: the entries each of L queries (hidden states x, low-rank queries
-        q_residual, positions) attends to, of the context's keys [n, index_head_dim]."""
-        q, weights = self.queries(x, q_residual, positions)
-        seen = (positions + 1) // self.rate
-        return choose(index_scores(q, weights, keys), seen, self.topk)
-
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """[L, n] float32: sum_h w_h relu(q_h . k) / sqrt(dim) of queries q [L, heads, dim], head

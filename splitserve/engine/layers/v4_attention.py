@@ -14,8 +14,9 @@ The cache (``layers/v4_cache.py``): a token's key and compressor projections (it
 in sliding-window groups, the compressed entries in pieces in group 0. Every step writes its
 tokens' keys and state rows, pools the windows its tokens close into group 0 (except where a
 prefix hit's replay recomputes positions whose entries came from the cache), then attends:
-the torch reference below, a query (or a prefill chunk) at a time; on the "triton" backend
-the CUDA decode rows take the kernels in one batch (``layers/v4_decode.py``).
+in torch a decode row or a prefill chunk at a time (``layers/v4_prefill.py``: blocks of the
+window's width, each row's chosen entries gathered); on the "triton" backend the CUDA decode
+rows take the kernels in one batch (``layers/v4_decode.py``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,8 @@ from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.v4_cache import LayerCache
 from splitserve.engine.layers.v4_compressor import Compressor
-from splitserve.engine.layers.v4_decode import (
-    closing_windows,
-    decode_kernels,
-    held_entries,
-    sink_attention,
-)
+from splitserve.engine.layers.v4_decode import closing_windows, decode_kernels, held_entries
+from splitserve.engine.layers.v4_prefill import Entries, Indexer, prefill_attention
 from splitserve.engine.model_config import ModelConfig
 from splitserve.kernels.dispatch import use_kernels
 
@@ -221,20 +218,16 @@ class V4Attention(nn.Module):
         base = end - near.context_len  # the position of the key table's first row
         rows = self.key_cache[near.block_table].flatten(0, 1)[: near.context_len]
         first = max(base, end - q.shape[0] - self.window + 1)
-        keys = rows[first - base :]
-        key_positions = torch.arange(first, end, device=q.device)
-        ahead = key_positions[None, :] - positions[:, None]
-        mask = (ahead <= 0) & (ahead > -self.window)
+        entries = None
         if self.compressor is not None:
-            entries = self.entries(pooled, slots, whole)
-            seen = ((positions + 1) // self.rate)[:, None]
-            visible = torch.arange(entries.shape[0], device=q.device)[None, :] < seen
+            held = self.entries(pooled, slots, whole)
+            indexer = None
             if self.indexer is not None:
-                index_keys = entries[:, self.dim :]
-                visible = self.indexer.select(x, q_residual, positions, index_keys)
-            keys = torch.cat([keys, entries[:, : self.dim]])
-            mask = torch.cat([mask, visible], dim=1)
-        return self.attention(q, keys, mask)
+                index_q, weights = self.indexer.queries(x, q_residual, positions)
+                indexer = Indexer(index_q, weights, held[:, self.dim :], self.indexer.topk)
+            entries = Entries(held[:, : self.dim], self.rate, indexer)
+        start = end - q.shape[0]
+        return prefill_attention(q, rows[first - base :], start, self.sinks, self.window, entries)
 
     def entries(self, pooled: QueryGroup, slots: torch.Tensor, whole: QueryGroup) -> torch.Tensor:
         """The context's compressed entries [context // rate, entry | index key], after
@@ -293,8 +286,3 @@ class V4Attention(nn.Module):
             part = self.layout.state_part(1)
             parts.append(self.indexer.compressor.pool_windows(rows[..., part], windows))
         return torch.cat(parts, dim=-1).view(-1, self.layout.piece)
-
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [L, heads, dim] over keys (also the values) [K, dim] where mask [L, K], with
-        each head's sink in the softmax, in float32."""
-        return sink_attention(q, keys, mask, self.sinks)
