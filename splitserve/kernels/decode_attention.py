@@ -11,10 +11,11 @@ program rotates its query heads itself, and the program whose split holds the ne
 rotates that token's key, writes it and its value to the cache and only then walks its tiles.
 That is the rotary + K/V write launch of a decode step folded into the attention launch.
 
-An FP8 cache (float8_e4m3fn rows of ``head_dim + 4``: the values, then the float32 scale's
-bytes; ``engine/layers/fp8_kv.py``) is read through ``load_kv``, which dequantizes each row
-to the query's dtype as it is loaded; the fused write does not quantize, so FP8 steps take
-the unfused launch.
+An FP8 cache (float8_e4m3fn rows of ``head_dim + 16``: the values, then the float32 scale's
+bytes and padding; ``engine/layers/fp8_kv.py``) enters the dots as e4m3 values widened to the
+query's dtype (exact), each key's scale multiplying its score and each value's scale its
+softmax weight; the fused write does not quantize, so FP8 steps take the unfused launch.
+``load_kv`` (the prefill kernel's) dequantizes whole rows as it loads them instead.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def load_kv(
         scale = tl.load(scale_ptr, mask=valid, other=0.0)  # a masked row: 0 x 0, never NaN
         rows = (rows.to(tl.float32) * scale[:, None]).to(dtype)
     return rows
+
+
+@triton.jit
+def row_scale(cache_ptr, off, valid, HEAD_DIM: tl.constexpr):
+    """The float32 scales stored after FP8 rows [off] (0 for rows not valid)."""
+    return tl.load(
+        (cache_ptr + off + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0
+    )
 
 
 @triton.jit
@@ -106,16 +115,29 @@ def _decode_kernel(
         block = block.to(tl.int64)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = load_kv(k_cache_ptr, k_off, d, kv_mask, valid, HEAD_DIM, FP8_KV, q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            # e4m3 values are exact in the query's dtype: the dots take them as they are and
+            # each key's scale multiplies its score, each value's scale its weight (one
+            # multiply a token, not one an element).
+            k_scale = row_scale(k_cache_ptr, k_off, valid, HEAD_DIM) * scale_log2
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+            scores *= k_scale[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-        v = load_kv(v_cache_ptr, v_off, d, kv_mask, valid, HEAD_DIM, FP8_KV, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            weights = (p * row_scale(v_cache_ptr, v_off, valid, HEAD_DIM)[None, :]).to(q.dtype)
+            v = v.to(q.dtype)
+        else:
+            weights = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
         m = m_new
 
     safe_l = tl.where(l > 0, l, 1.0)

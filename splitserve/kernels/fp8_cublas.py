@@ -16,6 +16,7 @@ launch. The CPU (the tests) never takes this path.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
 import torch
@@ -28,14 +29,27 @@ from splitserve.kernels.fp8_quant import (
     quantize_groups,
 )
 
+log = logging.getLogger(__name__)
+
 MIN_ROWS = 128
 """Products of at least this many rows (prefill chunks, large batches) take cuBLAS where it
 has the recipe; fewer rows stay on the Triton launches, which split K to fill the GPU."""
 
 
+_refused: set[tuple[int, int, int]] = set()
+"""Shapes cuBLAS refused although the probe passed (``refused``); they stay on Triton."""
+
+
 def fits(m: int, n: int, k: int) -> bool:
     """Shapes cuBLAS's block-scaled path takes: whole 128-wide groups along K and N."""
-    return m >= MIN_ROWS and n % BLOCK == 0 and k % BLOCK == 0
+    return m >= MIN_ROWS and n % BLOCK == 0 and k % BLOCK == 0 and (m, n, k) not in _refused
+
+
+def refused(m: int, n: int, k: int, error: RuntimeError) -> None:
+    """cuBLAS found no algorithm for this shape (it refuses before launching anything):
+    logged once, and the shape takes the Triton launch from now on."""
+    _refused.add((m, n, k))
+    log.warning("cuBLAS's block-scaled FP8 GEMM refused %d x %d x %d: %s", m, n, k, error)
 
 
 def block_scaled_mm(
@@ -44,8 +58,13 @@ def block_scaled_mm(
     """x [M, K] e4m3 with x_scale [M, K / 128] float32 times weight [N, K] e4m3 (scales [N /
     128, K / 128]) -> [M, N] in out_dtype (bfloat16 or float16), on cuBLAS."""
     # cuBLAS reads the activations' scales column-major (each group's scales of every row
-    # side by side) and the weight as K x N column-major, which the transposes are.
-    scale_a = x_scale.t().contiguous().t()
+    # side by side), their columns 16-byte aligned (rows counts not a multiple of 4 gave
+    # CUBLAS_STATUS_NOT_SUPPORTED on an H100), and the weight as K x N column-major, which
+    # the transposes are.
+    m, groups = x_scale.shape
+    columns = x_scale.new_empty((groups, -(-m // 4) * 4))
+    columns[:, :m] = x_scale.t()
+    scale_a = columns[:, :m].t()
     return torch._scaled_mm(
         x, weight.data.t(), scale_a=scale_a, scale_b=weight.scale.t(), out_dtype=out_dtype
     )
@@ -53,19 +72,20 @@ def block_scaled_mm(
 
 @cache
 def available(device: torch.device) -> bool:
-    """True when this device and torch multiply block-scaled FP8 on cuBLAS correctly: a
-    256 x 384 x 512 product in bfloat16 against the dequantizing reference (relative error
-    under 1%)."""
+    """True when this device and torch multiply block-scaled FP8 on cuBLAS correctly: 129-
+    and 256-row products by a 384 x 512 weight in bfloat16 against the dequantizing
+    reference (relative error under 1%)."""
     if device.type != "cuda":
         return False
     generator = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(256, 512, device=device, generator=generator)
-    w = torch.randn(384, 512, device=device, generator=generator)
-    x_fp8, x_scale = quantize_groups(x)
-    weight = quantize_blocks(w)
-    try:  # cuBLAS has no float32 output for these scales (CUBLAS_STATUS_NOT_SUPPORTED)
-        got = block_scaled_mm(x_fp8, x_scale, weight, torch.bfloat16).float()
-    except (RuntimeError, ValueError, TypeError):
-        return False
-    want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
-    return bool((got - want).norm() <= 0.01 * want.norm())
+    weight = quantize_blocks(torch.randn(384, 512, device=device, generator=generator))
+    for rows in (MIN_ROWS + 1, 256):
+        x_fp8, x_scale = quantize_groups(torch.randn(rows, 512, device=device, generator=generator))
+        try:  # cuBLAS has no float32 output for these scales (CUBLAS_STATUS_NOT_SUPPORTED)
+            got = block_scaled_mm(x_fp8, x_scale, weight, torch.bfloat16).float()
+        except (RuntimeError, ValueError, TypeError):
+            return False
+        want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
+        if not (got - want).norm() <= 0.01 * want.norm():
+            return False
+    return True

@@ -65,7 +65,10 @@ def fp8_linear(
         quantized = quantize_groups_kernel(x.contiguous())
         n, k = weight.data.shape
         if fp8_cublas.fits(x.shape[0], n, k) and fp8_cublas.available(x.device):
-            return fp8_cublas.block_scaled_mm(*quantized, weight, x.dtype)
+            try:
+                return fp8_cublas.block_scaled_mm(*quantized, weight, x.dtype)
+            except RuntimeError as error:
+                fp8_cublas.refused(x.shape[0], n, k, error)
         return fp8_dense_gemm(*quantized, weight, x.dtype)
     rows = x.float() if few else dequantize_groups(*quantize_groups(x))
     if dequantized is None:
