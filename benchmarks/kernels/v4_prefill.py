@@ -8,10 +8,13 @@ indexer's best 512 by 64 heads of 128; HCA entries of 128 tokens).
     python -m benchmarks.kernels.v4_prefill --device cpu --reduced --tokens 2048
 
 ``--reduced``: 8 heads of 128 and 8 index heads of 64 (window, rates and top-k as V4-Flash's),
-float32: a size the CPU times in seconds. Prints a table: ms of each path, the speedup, the
-largest error against the reference (relative to its largest value), for CSA the share of
-the blocked path's picks that the reference chose too (bfloat16 scores may swap near-ties
-at the k-th), and the useful attention FLOPs (each row's window and chosen entries) a second.
+float32: a size the CPU times in seconds. On CUDA also the decode kernels with each row a
+decode row over its own context (``layers/v4_decode.py: prefill_kernels``, the "triton"
+backend's prefill), over the same keys and entries in paged caches. Prints a table: ms of
+each path, the largest error of each against the reference (relative to its largest value),
+for CSA the share of the blocked path's picks that the reference chose too (bfloat16 scores
+may swap near-ties at the k-th), and the useful attention FLOPs (each row's window and chosen
+entries) a second of the fastest path.
 JSON to $OUT/v4-prefill.json when OUT is set.
 """
 
@@ -73,6 +76,33 @@ def inputs(shape: Shape, kind: str, tokens: int, dtype: torch.dtype, dev: torch.
     return q, keys, sinks, Entries(randn(count, shape.dim), rate, indexer)
 
 
+def paged(
+    keys: torch.Tensor, entries: Entries, block: int = 64
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Any, Any]:
+    """The same keys and entries in paged caches as the engine keeps them, for the kernels:
+    the key cache [blocks, block, dim] with each row's table and length (its position + 1),
+    group 0's entry pieces (an entry and its index key in ``rate`` slots) likewise, and the
+    indexer as ``v4_decode.prefill_kernels`` takes it."""
+    tokens, dim = keys.shape
+    dev = keys.device
+
+    def cache(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pad = -rows.shape[0] % block
+        blocks = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]).view(
+            -1, block, rows.shape[1]
+        )
+        return blocks, torch.arange(blocks.shape[0], device=dev).expand(tokens, -1)
+
+    key_cache, key_tables = cache(keys)
+    lens = torch.arange(1, tokens + 1, device=dev)
+    index = entries.indexer
+    held = entries.keys if index is None else torch.cat([entries.keys, index.keys], dim=-1)
+    pieces = held.reshape(held.shape[0] * entries.rate, -1)
+    entry_cache, tables = cache(pieces)
+    indexer = None if index is None else (index.q, index.weights, dim, index.topk)
+    return key_cache, (key_tables, lens), (entry_cache, tables, lens, entries.rate), indexer
+
+
 def time_ms(fn: Any, dev: torch.device, iters: int) -> float:
     fn()
     if dev.type == "cuda":
@@ -113,24 +143,36 @@ def choice_agreement(entries: Entries, tokens: int) -> float:
     return agreed / max(total, 1)
 
 
-def measure(shape: Shape, kind: str, tokens: int, dtype: torch.dtype, dev: torch.device,
-            reference: bool, profile: bool = False) -> dict[str, Any]:  # fmt: skip
+def measure(
+    shape: Shape, kind: str, tokens: int, dev: torch.device, reference: bool, profile: bool
+) -> dict[str, Any]:
+    """Both paths (on CUDA also the kernels: ``v4_decode.prefill_kernels``) on one chunk."""
+    dtype = torch.float32 if shape is REDUCED else torch.bfloat16
     q, keys, sinks, entries = inputs(shape, kind, tokens, dtype, dev)
     args = (q, keys, 0, sinks, shape.window, entries)
+    paths = {"blocked": lambda: prefill_attention(*args)}
+    if dev.type == "cuda":
+        from splitserve.engine.layers.v4_decode import prefill_kernels  # lazy: Triton
+
+        key_cache, tables, paged_entries, indexer = paged(keys, entries)
+        run = (q, key_cache, tables, sinks, shape.window, paged_entries, indexer)
+        paths["kernels"] = lambda: prefill_kernels(*run)
     iters = 5 if dev.type == "cuda" else 1
     result: dict[str, Any] = {"kind": kind, "tokens": tokens, "dtype": str(dtype)[6:]}
-    result["blocked_ms"] = time_ms(lambda: prefill_attention(*args), dev, iters)
-    result["useful_tflops"] = useful_flops(shape, kind, tokens) / result["blocked_ms"] / 1e9
+    for name, fn in paths.items():
+        result[f"{name}_ms"] = time_ms(fn, dev, iters)
+    flops = useful_flops(shape, kind, tokens)
+    result["useful_tflops"] = flops / min(result[f"{name}_ms"] for name in paths) / 1e9
     if reference:
         result["reference_ms"] = time_ms(lambda: prefill_reference(*args), dev, 1)
-        result["speedup"] = result["reference_ms"] / result["blocked_ms"]
         want = prefill_reference(*args).float()
-        err = (prefill_attention(*args).float() - want).abs().max() / want.abs().max()
-        result["rel_err"] = float(err)
+        for name, fn in paths.items():
+            result[f"{name}_rel_err"] = float((fn().float() - want).abs().max() / want.abs().max())
     if kind == "csa":
         result["choice_agreement"] = choice_agreement(entries, tokens)
     if profile:
-        print_kernels(lambda: prefill_attention(*args), kind)
+        for name, fn in paths.items():
+            print_kernels(fn, f"{kind}, {name}")
     return result
 
 
@@ -156,20 +198,19 @@ def main() -> int:
     args = parser.parse_args()
     dev = torch.device(args.device)
     shape = REDUCED if args.reduced else FLASH
-    dtype = torch.float32 if args.reduced else torch.bfloat16
     rows = [
-        measure(shape, kind, args.tokens, dtype, dev, not args.no_reference, args.profile)
+        measure(shape, kind, args.tokens, dev, not args.no_reference, args.profile)
         for kind in args.kinds.split(",")
     ]
-    print(f"{'kind':<5} {'tokens':>6} {'blocked ms':>10} {'reference ms':>12} {'speedup':>8} "
-          f"{'rel err':>8} {'picks agree':>11} {'useful TFLOP/s':>14}")  # fmt: skip
+    nan = float("nan")
+    head = ("reference ms", "blocked ms", "rel err", "kernels ms", "rel err", "picks agree")
+    print(f"{'kind':<5} {'tokens':>6} " + " ".join(f"{h:>12}" for h in head), "TFLOP/s useful")
     for r in rows:
-        cells = [r.get(k, float("nan")) for k in ("reference_ms", "speedup", "rel_err")]
-        print(
-            f"{r['kind']:<5} {r['tokens']:>6} {r['blocked_ms']:>10.2f} {cells[0]:>12.2f} "
-            f"{cells[1]:>8.1f} {cells[2]:>8.1e} {r.get('choice_agreement', float('nan')):>11.4f} "
-            f"{r['useful_tflops']:>14.2f}"
-        )
+        keys = ("reference_ms", "blocked_ms", "blocked_rel_err", "kernels_ms", "kernels_rel_err")
+        cells = [f"{r.get(k, nan):>12.2f}" for k in keys]
+        cells[2], cells[4] = f"{r.get(keys[2], nan):>12.1e}", f"{r.get(keys[4], nan):>12.1e}"
+        cells.append(f"{r.get('choice_agreement', nan):>12.4f}")
+        print(f"{r['kind']:<5} {r['tokens']:>6} " + " ".join(cells), f"{r['useful_tflops']:.2f}")
     if os.environ.get("OUT"):
         result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                   "shape": shape.__dict__, "rows": rows}  # fmt: skip

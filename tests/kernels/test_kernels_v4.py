@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("triton")
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.layers import v4_attention
+from splitserve.engine.layers import v4_attention, v4_decode
 from splitserve.engine.layers.lightning_indexer import choose
 from splitserve.engine.layers.lightning_indexer import index_scores as torch_index_scores
 from splitserve.engine.layers.v4_decode import decode_reference, held_entries
@@ -130,10 +130,11 @@ def test_index_choice_breaks_ties_to_the_lower_entry() -> None:
 def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
     smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The tiny V4 (sliding, CSA, HCA and CSA layers) decoding two prompts side by side, its
-    attention's decode rows through the kernels (every cache starting as NaN: no slot is
-    read before it is written), gives the torch backend's tokens and top-5 log-probabilities,
-    in KV cache groups and in one group (the MTP drafter's layout).
+    """The tiny V4 (sliding, CSA, HCA and CSA layers) prefilling and decoding two prompts side
+    by side, its attention's prefill and decode rows through the kernels (every cache starting
+    as NaN: no slot is read before it is written), gives the torch backend's tokens and top-5
+    log-probabilities, in KV cache groups and in one group (the MTP drafter's layout; its
+    prefill rows in passes of one row).
     Only the attention's dispatch takes CPU tensors (the other layers' kernels would take most
     of a minute in the interpreter); the CPU keeps torch otherwise."""
     _, path = tiny_deepseek_v4(smollm2_tokenizer, tmp_path / "v4")
@@ -145,6 +146,8 @@ def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
     monkeypatch.setattr(v4_attention, "use_kernels", lambda x: calls.append(x) or True)
     runs = {}
     for backend, hybrid in (("torch", True), ("triton", True), ("triton", False)):
+        if not hybrid:
+            monkeypatch.setattr(v4_decode, "SCORE_BYTES", 1)
         llm = LLM(
             model=path,
             attention_backend=backend,
@@ -167,7 +170,7 @@ def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
         values = [p for seq in got for _, p in seq]
         # float32 over different reduction orders: seen 1.05e-5 apart on the shared 2-core VM
         assert values == pytest.approx([p for seq in expected for _, p in seq], abs=5e-5)
-    assert len(calls) == 2 * 2 * 4  # 2 runs x 2 decode steps x 4 layers (torch asks none)
+    assert len(calls) == 2 * 3 * 4  # 2 runs x (a prefill, 2 decode steps) x 4 layers
 
 
 class HostReads(TorchDispatchMode):

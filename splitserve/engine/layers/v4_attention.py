@@ -34,7 +34,12 @@ from splitserve.engine.layers.linear import dense
 from splitserve.engine.layers.norm import RMSNorm
 from splitserve.engine.layers.v4_cache import LayerCache
 from splitserve.engine.layers.v4_compressor import Compressor
-from splitserve.engine.layers.v4_decode import closing_windows, decode_kernels, held_entries
+from splitserve.engine.layers.v4_decode import (
+    closing_windows,
+    decode_kernels,
+    held_entries,
+    prefill_kernels,
+)
 from splitserve.engine.layers.v4_prefill import Entries, Indexer, prefill_attention
 from splitserve.engine.model_config import ModelConfig
 from splitserve.kernels.dispatch import use_kernels
@@ -167,17 +172,18 @@ class V4Attention(nn.Module):
             self.state_cache.flatten(0, 1).index_copy_(0, state_meta.slot_mapping, state)
         out = torch.empty_like(q)
         n = meta.num_decode_tokens
-        kernels = bool(n) and self.kernel and use_kernels(q)
-        if kernels:  # the decode rows in one batch, their lengths read on the device only
+        kernels = self.kernel and use_kernels(q)
+        if kernels and n:  # the decode rows in one batch, their lengths read on the device only
             if self.compressor is not None:
                 self.pool_decodes(meta, state_meta)
             out[:n] = self.decode(q[:n], x[:n], q_residual[:n], positions[:n], meta)
+        attend = self.prefill_kernels if kernels else self.attend
         groups = (query_groups(m, not kernels) for m in (key_meta, state_meta, meta))
         for near, pooled, whole in zip(*groups):
             r = whole.rows
             slots = meta.slot_mapping[r]
             views = (near, pooled, whole)
-            out[r] = self.attend(q[r], x[r], q_residual[r], positions[r], slots, views)
+            out[r] = attend(q[r], x[r], q_residual[r], positions[r], slots, views)
         out = rotate(out, cos, -sin)
         grouped = self.o_a_proj(out.view(tokens, self.o_a_proj.groups, -1))
         return dense(grouped, self.o_b_proj)
@@ -199,7 +205,34 @@ class V4Attention(nn.Module):
         if self.indexer is not None:
             index = (*self.indexer.queries(x, q_residual, positions), self.dim, self.indexer.topk)
         key_meta = meta.group(self.groups[0])
-        return decode_kernels(q, self.key_cache, key_meta, self.sinks, self.window, entries, index)
+        keys = (key_meta.decode_block_tables, key_meta.decode_context_lens)
+        return decode_kernels(q, self.key_cache, keys, self.sinks, self.window, entries, index)
+
+    def prefill_kernels(
+        self,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        views: tuple[QueryGroup, QueryGroup, QueryGroup],
+    ) -> torch.Tensor:
+        """``attend`` on the kernels: the windows the group's tokens close pooled, then each
+        row a decode row over its own context (its key table's rows and the entries up to its
+        position)."""
+        near, pooled, whole = views
+        if self.compressor is not None:
+            self.pool(pooled, slots, whole)
+        rows = q.shape[0]
+        behind = torch.arange(rows - 1, -1, -1, device=q.device)  # rows after each one
+        keys = (near.block_table.expand(rows, -1), near.context_len - behind)
+        entries = index = None
+        if self.compressor is not None:
+            tables = whole.block_table.expand(rows, -1)
+            entries = (self.entry_cache, tables, whole.context_len - behind, self.rate)
+        if self.indexer is not None:
+            index = (*self.indexer.queries(x, q_residual, positions), self.dim, self.indexer.topk)
+        return prefill_kernels(q, self.key_cache, keys, self.sinks, self.window, entries, index)
 
     def attend(
         self,

@@ -2,7 +2,8 @@
 softmax with sinks and the entries' gather that its torch path uses, the torch reference of
 ``kernels/v4_decode.py`` built from them (a row at a time), the state rows of the windows a
 step's decode rows close (gathered in fixed shapes), and the launches of the kernels (the
-lightning indexer's, then the attention's) for those rows."""
+lightning indexer's, then the attention's) for those rows; on the same kernels, a prefill
+chunk's rows, each a decode row over its own context."""
 
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def sink_attention(
 
 
 SCORE_BYTES = 256 << 20
+SPLIT = 256
+"""Keys a program of the decode kernel takes (``kernels/v4_decode.py``: a row's window and
+entries in splits of this many, merged after)."""
 
 
 def score_rows(scores_per_row: int) -> int:
@@ -110,18 +114,23 @@ def closing_windows(
     return windows, state_cache[blocks, rows % block_size]
 
 
+Indexing = tuple[torch.Tensor, torch.Tensor, int, int]
+"""(index queries [B, heads, dim], head weights [B, heads], the index keys' offset in an
+entry, topk): a CSA layer's lightning indexer for a batch of rows."""
+
+
 def decode_kernels(
     q: torch.Tensor,
     key_cache: torch.Tensor,
-    key_meta: AttentionMetadata,
+    keys: tuple[torch.Tensor, torch.Tensor],
     sinks: torch.Tensor,
     window: int,
     entries: Entries | None,
-    indexer: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+    indexer: Indexing | None,
 ) -> torch.Tensor:
-    """The decode rows q [n, heads, dim] over their window (key_meta: the key group's) and
-    entries; in a CSA layer ``indexer`` (index queries, head weights, the index keys' offset
-    in an entry, topk) picks them. Every launch reads its lengths on the device."""
+    """The rows q [n, heads, dim] over their window (keys: the key group's tables [n, width]
+    and context lengths [n]) and entries; in a CSA layer ``indexer`` picks them. Every launch
+    reads its lengths on the device."""
     from splitserve.kernels.v4_decode import v4_decode_attention  # lazy: Triton
     from splitserve.kernels.v4_indexer import index_scores, select_topk
 
@@ -129,5 +138,43 @@ def decode_kernels(
     if indexer is not None and entries is not None:
         index_q, weights, offset, topk = indexer
         index = select_topk(index_scores(index_q, weights, entries, offset), topk)
-    tables, lens = key_meta.decode_block_tables, key_meta.decode_context_lens
-    return v4_decode_attention(q, key_cache, tables, lens, sinks, window, entries, index)
+    tables, lens = keys
+    return v4_decode_attention(q, key_cache, tables, lens, sinks, window, entries, index, SPLIT)
+
+
+def prefill_kernels(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    keys: tuple[torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor,
+    window: int,
+    entries: Entries | None,
+    indexer: Indexing | None,
+) -> torch.Tensor:
+    """A prefill chunk's rows through the decode kernels, each row a decode row over its own
+    context (``keys`` and ``entries`` as ``decode_kernels``', a row's lengths up to its
+    position), in passes whose temporaries stay within SCORE_BYTES: a CSA row's index scores
+    and choice (8 bytes an entry of its table), a row's partial outputs where its keys take
+    more than one split."""
+    held = 0
+    if entries is not None:
+        held = entries[1].shape[1] * entries[0].shape[1] // entries[3]
+    chosen = held if indexer is None else min(held, indexer[3])
+    splits = -(-(window + chosen) // SPLIT)
+    per_row = 8 * held * (indexer is not None)
+    if splits > 1:
+        per_row += 4 * q.shape[1] * (splits + 1) * (q.shape[2] + 1)
+    rows = score_rows(per_row)
+    if rows >= q.shape[0]:
+        return decode_kernels(q, key_cache, keys, sinks, window, entries, indexer)
+    out = torch.empty_like(q)
+    for i in range(0, q.shape[0], rows):
+        r = slice(i, i + rows)
+        part = index = None
+        if entries is not None:
+            part = (entries[0], entries[1][r], entries[2][r], entries[3])
+        if indexer is not None:
+            index = (indexer[0][r], indexer[1][r], indexer[2], indexer[3])
+        keys_r = (keys[0][r], keys[1][r])
+        out[r] = decode_kernels(q[r], key_cache, keys_r, sinks, window, part, index)
+    return out
