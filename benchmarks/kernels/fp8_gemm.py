@@ -106,8 +106,9 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
         "bf16_us": time_us(lambda: F.linear(x, w), device),
         "kernel_us": time_us(lambda: fp8_dense_gemm(x_fp8, x_scale, weight, dtype), device),
         "kernel_with_quant_us": time_us(
-            lambda: fp8_dense_gemm(*quantize_groups(x), weight, dtype), device
+            lambda: fp8_dense_gemm(*quantize_groups_kernel(x), weight, dtype), device
         ),
+        "quant_kernel_us": time_us(lambda: quantize_groups_kernel(x), device),
     }
     result["cublas_block_available"] = fp8_cublas.available(device)
     try:  # every row count, also those the engine keeps off it (fp8_cublas.MIN_ROWS)
@@ -117,7 +118,9 @@ def case(name: str, n: int, k: int, rows: int, device: torch.device) -> dict[str
             lambda: fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, dtype), device
         )
         times["cublas_block_with_quant_us"] = time_us(
-            lambda: fp8_cublas.block_scaled_mm(*quantize_groups_kernel(x), weight, dtype),
+            lambda: fp8_cublas.block_scaled_mm(
+                *quantize_groups_kernel(x, for_cublas=True), weight, dtype
+            ),
             device,
         )
     except RuntimeError as exc:

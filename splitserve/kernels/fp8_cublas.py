@@ -31,6 +31,10 @@ from splitserve.kernels.fp8_quant import (
 
 log = logging.getLogger(__name__)
 
+ROW_ALIGN = 16
+"""cuBLAS found no algorithm for row counts off this multiple (129 rows failed the probe on
+an H200 with the scales' columns aligned): others are padded."""
+
 MIN_ROWS = 128
 """Products of at least this many rows (prefill chunks, large batches) take cuBLAS where it
 has the recipe; fewer rows stay on the Triton launches, which split K to fill the GPU."""
@@ -56,18 +60,32 @@ def block_scaled_mm(
     x: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """x [M, K] e4m3 with x_scale [M, K / 128] float32 times weight [N, K] e4m3 (scales [N /
-    128, K / 128]) -> [M, N] in out_dtype (bfloat16 or float16), on cuBLAS."""
-    # cuBLAS reads the activations' scales column-major (each group's scales of every row
-    # side by side), their columns 16-byte aligned (rows counts not a multiple of 4 gave
-    # CUBLAS_STATUS_NOT_SUPPORTED on an H100), and the weight as K x N column-major, which
-    # the transposes are.
+    128, K / 128]) -> [M, N] in out_dtype (bfloat16 or float16), on cuBLAS. The rows as
+    ``fp8_act.quantize_groups_kernel(for_cublas=True)`` gives them go as they are; others
+    are padded and their scales copied."""
+    m = x.shape[0]
+    if m % ROW_ALIGN:  # rows padded with zeros (and scales of 1) to a whole multiple
+        padded = -(-m // ROW_ALIGN) * ROW_ALIGN
+        x = torch.cat(
+            [x.view(torch.uint8), x.new_zeros((padded - m, x.shape[1]), dtype=torch.uint8)]
+        ).view(x.dtype)
+        x_scale = torch.cat([x_scale, x_scale.new_ones((padded - m, x_scale.shape[1]))])
+    return torch._scaled_mm(
+        x, weight.data.t(), scale_a=by_group(x_scale), scale_b=weight.scale.t(),
+        out_dtype=out_dtype,
+    )[:m]  # fmt: skip
+
+
+def by_group(x_scale: torch.Tensor) -> torch.Tensor:
+    """The activations' scales as cuBLAS reads them: column-major (each group's scales of every
+    row side by side), columns 16-byte aligned (``quantize_groups_kernel(for_cublas=True)``
+    writes them so; others are copied)."""
     m, groups = x_scale.shape
+    if x_scale.stride(0) == 1 and x_scale.stride(1) % 4 == 0:
+        return x_scale
     columns = x_scale.new_empty((groups, -(-m // 4) * 4))
     columns[:, :m] = x_scale.t()
-    scale_a = columns[:, :m].t()
-    return torch._scaled_mm(
-        x, weight.data.t(), scale_a=scale_a, scale_b=weight.scale.t(), out_dtype=out_dtype
-    )
+    return columns[:, :m].t()
 
 
 @cache

@@ -129,14 +129,21 @@ def test_fp8_gemm_on_rows_in_their_dtype_is_the_product_with_the_dequantized_wei
 
 
 def test_the_quantization_kernel_equals_the_reference_bit_for_bit() -> None:
-    """Ragged last group, a zero group (the TINY scale), values of very different sizes."""
+    """Ragged last group, a zero group (the TINY scale), values of very different sizes, a
+    ragged last tile of rows; laid out for cuBLAS: the same values, zero rows to a multiple
+    of 16 and the scales column-major."""
     torch.manual_seed(5)
-    x = torch.randn(3, 300) * torch.logspace(-3, 3, 300)
+    x = torch.randn(19, 300) * torch.logspace(-3, 3, 300)
     x[1, 128:256] = 0
     data, scale = quantize_groups_kernel(x)
     ref_data, ref_scale = quantize_groups(x)
     assert torch.equal(scale, ref_scale)
     assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    data, scale = quantize_groups_kernel(x, for_cublas=True)
+    assert data.shape == (32, 300) and scale.shape == (32, 3) and scale.stride() == (1, 32)
+    assert torch.equal(scale[:19], ref_scale)
+    assert torch.equal(data[:19].view(torch.uint8), ref_data.view(torch.uint8))
+    assert data[19:].view(torch.uint8).eq(0).all()
 
 
 @pytest.mark.parametrize("few_rows", ["w8a8", "w8a16"])

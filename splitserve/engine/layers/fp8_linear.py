@@ -62,14 +62,14 @@ def fp8_linear(
 
         if few:
             return fp8_dense_gemm(x.contiguous(), None, weight, x.dtype)
-        quantized = quantize_groups_kernel(x.contiguous())
         n, k = weight.data.shape
         if fp8_cublas.fits(x.shape[0], n, k) and fp8_cublas.available(x.device):
+            quantized = quantize_groups_kernel(x.contiguous(), for_cublas=True)
             try:
-                return fp8_cublas.block_scaled_mm(*quantized, weight, x.dtype)
+                return fp8_cublas.block_scaled_mm(*quantized, weight, x.dtype)[: x.shape[0]]
             except RuntimeError as error:
                 fp8_cublas.refused(x.shape[0], n, k, error)
-        return fp8_dense_gemm(*quantized, weight, x.dtype)
+        return fp8_dense_gemm(*quantize_groups_kernel(x.contiguous()), weight, x.dtype)
     rows = x.float() if few else dequantize_groups(*quantize_groups(x))
     if dequantized is None:
         dequantized = dequantize_blocks(weight)
