@@ -8,9 +8,10 @@ indexer's best 512 by 64 heads of 128; HCA entries of 128 tokens).
     python -m benchmarks.kernels.v4_prefill --device cpu --reduced --tokens 2048
 
 ``--reduced``: 8 heads of 128 and 8 index heads of 64 (window, rates and top-k as V4-Flash's),
-float32: a size the CPU times in seconds. On CUDA also the decode kernels with each row a
-decode row over its own context (``layers/v4_decode.py: prefill_kernels``, the "triton"
-backend's prefill), over the same keys and entries in paged caches. Prints a table: ms of
+float32: a size the CPU times in seconds. On CUDA, for HCA, also the decode kernel with each
+row a decode row over its own context (``layers/v4_decode.py: prefill_kernels``, the "triton"
+backend's prefill of a layer without an indexer), over the same keys and entries in paged
+caches. Prints a table: ms of
 each path, the largest error of each against the reference (relative to its largest value),
 for CSA the share of the blocked path's picks that the reference chose too (bfloat16 scores
 may swap near-ties at the k-th), and the useful attention FLOPs (each row's window and chosen
@@ -78,12 +79,11 @@ def inputs(shape: Shape, kind: str, tokens: int, dtype: torch.dtype, dev: torch.
 
 def paged(
     keys: torch.Tensor, entries: Entries, block: int = 64
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Any, Any]:
-    """The same keys and entries in paged caches as the engine keeps them, for the kernels:
-    the key cache [blocks, block, dim] with each row's table and length (its position + 1),
-    group 0's entry pieces (an entry and its index key in ``rate`` slots) likewise, and the
-    indexer as ``v4_decode.prefill_kernels`` takes it."""
-    tokens, dim = keys.shape
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Any]:
+    """The same keys and HCA entries in paged caches as the engine keeps them, for the
+    kernel: the key cache [blocks, block, dim] with each row's table and length (its position
+    + 1), group 0's entry pieces (an entry in ``rate`` slots) likewise."""
+    tokens = keys.shape[0]
     dev = keys.device
 
     def cache(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,12 +95,8 @@ def paged(
 
     key_cache, key_tables = cache(keys)
     lens = torch.arange(1, tokens + 1, device=dev)
-    index = entries.indexer
-    held = entries.keys if index is None else torch.cat([entries.keys, index.keys], dim=-1)
-    pieces = held.reshape(held.shape[0] * entries.rate, -1)
-    entry_cache, tables = cache(pieces)
-    indexer = None if index is None else (index.q, index.weights, dim, index.topk)
-    return key_cache, (key_tables, lens), (entry_cache, tables, lens, entries.rate), indexer
+    entry_cache, tables = cache(entries.keys.reshape(entries.keys.shape[0] * entries.rate, -1))
+    return key_cache, (key_tables, lens), (entry_cache, tables, lens, entries.rate)
 
 
 def time_ms(fn: Any, dev: torch.device, iters: int) -> float:
@@ -151,11 +147,11 @@ def measure(
     q, keys, sinks, entries = inputs(shape, kind, tokens, dtype, dev)
     args = (q, keys, 0, sinks, shape.window, entries)
     paths = {"blocked": lambda: prefill_attention(*args)}
-    if dev.type == "cuda":
+    if dev.type == "cuda" and entries.indexer is None:  # the engine's CSA stays in torch
         from splitserve.engine.layers.v4_decode import prefill_kernels  # lazy: Triton
 
-        key_cache, tables, paged_entries, indexer = paged(keys, entries)
-        run = (q, key_cache, tables, sinks, shape.window, paged_entries, indexer)
+        key_cache, tables, paged_entries = paged(keys, entries)
+        run = (q, key_cache, tables, sinks, shape.window, paged_entries)
         paths["kernels"] = lambda: prefill_kernels(*run)
     iters = 5 if dev.type == "cuda" else 1
     result: dict[str, Any] = {"kind": kind, "tokens": tokens, "dtype": str(dtype)[6:]}

@@ -177,7 +177,9 @@ class V4Attention(nn.Module):
             if self.compressor is not None:
                 self.pool_decodes(meta, state_meta)
             out[:n] = self.decode(q[:n], x[:n], q_residual[:n], positions[:n], meta)
-        attend = self.prefill_kernels if kernels else self.attend
+        # a CSA chunk stays in torch: on the H200 the indexer's kernel, its choice and the
+        # attention's split partials at 8k rows took longer than the blocked path
+        attend = self.prefill_kernels if kernels and self.indexer is None else self.attend
         groups = (query_groups(m, not kernels) for m in (key_meta, state_meta, meta))
         for near, pooled, whole in zip(*groups):
             r = whole.rows
@@ -217,22 +219,20 @@ class V4Attention(nn.Module):
         slots: torch.Tensor,
         views: tuple[QueryGroup, QueryGroup, QueryGroup],
     ) -> torch.Tensor:
-        """``attend`` on the kernels: the windows the group's tokens close pooled, then each
-        row a decode row over its own context (its key table's rows and the entries up to its
-        position)."""
+        """``attend`` on the kernel (a layer without an indexer): the windows the group's
+        tokens close pooled, then each row a decode row over its own context (its key table's
+        rows and the entries up to its position)."""
         near, pooled, whole = views
         if self.compressor is not None:
             self.pool(pooled, slots, whole)
         rows = q.shape[0]
         behind = torch.arange(rows - 1, -1, -1, device=q.device)  # rows after each one
         keys = (near.block_table.expand(rows, -1), near.context_len - behind)
-        entries = index = None
+        entries = None
         if self.compressor is not None:
             tables = whole.block_table.expand(rows, -1)
             entries = (self.entry_cache, tables, whole.context_len - behind, self.rate)
-        if self.indexer is not None:
-            index = (*self.indexer.queries(x, q_residual, positions), self.dim, self.indexer.topk)
-        return prefill_kernels(q, self.key_cache, keys, self.sinks, self.window, entries, index)
+        return prefill_kernels(q, self.key_cache, keys, self.sinks, self.window, entries)
 
     def attend(
         self,

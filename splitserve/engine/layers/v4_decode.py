@@ -149,32 +149,25 @@ def prefill_kernels(
     sinks: torch.Tensor,
     window: int,
     entries: Entries | None,
-    indexer: Indexing | None,
 ) -> torch.Tensor:
-    """A prefill chunk's rows through the decode kernels, each row a decode row over its own
-    context (``keys`` and ``entries`` as ``decode_kernels``', a row's lengths up to its
-    position), in passes whose temporaries stay within SCORE_BYTES: a CSA row's index scores
-    and choice (8 bytes an entry of its table), a row's partial outputs where its keys take
-    more than one split."""
+    """A prefill chunk's rows of a layer without an indexer through the decode kernel, each
+    row a decode row over its own context (``keys`` and ``entries`` as ``decode_kernels``', a
+    row's lengths up to its position), in passes whose partial outputs (where a row's keys
+    take more than one split) stay within SCORE_BYTES."""
     held = 0
     if entries is not None:
         held = entries[1].shape[1] * entries[0].shape[1] // entries[3]
-    chosen = held if indexer is None else min(held, indexer[3])
-    splits = -(-(window + chosen) // SPLIT)
-    per_row = 8 * held * (indexer is not None)
+    splits = -(-(window + held) // SPLIT)
+    rows = q.shape[0]
     if splits > 1:
-        per_row += 4 * q.shape[1] * (splits + 1) * (q.shape[2] + 1)
-    rows = score_rows(per_row)
-    if rows >= q.shape[0]:
-        return decode_kernels(q, key_cache, keys, sinks, window, entries, indexer)
-    out = torch.empty_like(q)
+        rows = score_rows(q.shape[1] * (splits + 1) * (q.shape[2] + 1))
+    out = torch.empty_like(q) if rows < q.shape[0] else None
     for i in range(0, q.shape[0], rows):
         r = slice(i, i + rows)
-        part = index = None
-        if entries is not None:
-            part = (entries[0], entries[1][r], entries[2][r], entries[3])
-        if indexer is not None:
-            index = (indexer[0][r], indexer[1][r], indexer[2], indexer[3])
-        keys_r = (keys[0][r], keys[1][r])
-        out[r] = decode_kernels(q[r], key_cache, keys_r, sinks, window, part, index)
+        part = None if entries is None else (entries[0], entries[1][r], entries[2][r], entries[3])
+        got = decode_kernels(q[r], key_cache, (keys[0][r], keys[1][r]), sinks, window, part, None)
+        if out is None:
+            return got
+        out[r] = got
+    assert out is not None
     return out
