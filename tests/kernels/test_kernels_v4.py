@@ -131,10 +131,10 @@ def test_triton_backend_v4_tokens_and_logprobs_equal_torch_backend(
     smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tiny V4 (sliding, CSA, HCA and CSA layers) prefilling and decoding two prompts side
-    by side, its attention's prefill and decode rows through the kernels (every cache starting
-    as NaN: no slot is read before it is written), gives the torch backend's tokens and top-5
-    log-probabilities, in KV cache groups and in one group (the MTP drafter's layout; its
-    prefill rows in passes of one row).
+    by side, its attention's decode rows and its sliding and HCA layers' prefill rows through
+    the kernels (every cache starting as NaN: no slot is read before it is written), gives the
+    torch backend's tokens and top-5 log-probabilities, in KV cache groups and in one group
+    (the MTP drafter's layout; its CSA prefill in torch passes of one block).
     Only the attention's dispatch takes CPU tensors (the other layers' kernels would take most
     of a minute in the interpreter); the CPU keeps torch otherwise."""
     _, path = tiny_deepseek_v4(smollm2_tokenizer, tmp_path / "v4")
