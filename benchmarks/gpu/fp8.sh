@@ -4,7 +4,8 @@
 # their tilings); the engine on shape:llama3-8b in bfloat16, with FP8 weights, and with an FP8
 # KV cache (decode at batch 1 and 64, an 8k prefill; the KV cache at batch 64 and 8k context),
 # and shape:qwen3-30b-a3b at batch 64 in bfloat16 and FP8. Each comparison in one run.
-# PARTS picks what runs (default: every part): kernels, llama, kv, moe.
+# PARTS picks what runs (default: every part but served): kernels, llama, kv, moe, served (the
+# service with each setting: about 10 minutes).
 source "$(dirname "$0")/../gpu_env.sh"
 PARTS=${PARTS:-kernels llama kv moe}
 bench() { step timeout "${LIMIT:-240}" "$PY" -m splitserve.cli bench offline --device cuda \
@@ -36,6 +37,17 @@ for part in $PARTS; do
         for q in "" "--quantization fp8"; do
             bench --shape qwen3-30b-a3b --batch-sizes 64 --input-len 256 --output-len 64 \
                 --gpu-memory-utilization 0.5 $q --result-file "$OUT/fp8-qwen3${q:+-fp8}.json"
+        done ;;
+    served)
+        # The service, colocated on one GPU, 1024/128: bfloat16, FP8 weights, FP8 KV cache,
+        # one after another in this call (saturation against the offline engine, goodput).
+        for setting in "" quantization=fp8 kv_cache_dtype=fp8; do
+            name=${setting:-bf16}
+            mkdir -p "$OUT/served-${name%%=*}"
+            step timeout "${LIMIT:-300}" bash benchmarks/served/gpu_comparison.sh \
+                --model shape:llama3-8b --mixes 1024/128 --rates "${RATES:-8,16,32}" \
+                --num-prompts "${PROMPTS:-100}" --out "$OUT/served-${name%%=*}" \
+                ${setting:+--set "pools.*.engine.$setting"}
         done ;;
     esac
 done

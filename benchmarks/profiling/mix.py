@@ -22,14 +22,19 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from benchmarks.served.offline_mix import add_mix_arguments, engine_args, warm_mix
+from benchmarks.served.offline_mix import (
+    add_mix_arguments,
+    engine_args,
+    engine_overrides,
+    warm_mix,
+)
 from splitserve.engine.llm import LLM
 from splitserve.engine.scheduler import ScheduledBatch
 
 
 def main() -> int:
     args = _parse()
-    settings = engine_args(args.device)
+    settings = engine_args(args.device) | engine_overrides(args.engine)
     for item in args.overrides:
         key, value = item.split("=", 1)
         settings[key] = _value(value)

@@ -196,6 +196,8 @@ def _offline(args: argparse.Namespace, input_len: int, output_len: int) -> dict[
         "--model", args.model, "--device", args.device, "--prompts", str(prompts),
         "--input-len", str(input_len), "--output-len", str(output_len),
     ]  # fmt: skip
+    engine = "pools.*.engine."  # the deployment's engine settings hold offline too
+    command += [f"--engine={o[len(engine) :]}" for o in args.overrides if o.startswith(engine)]
     done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result

@@ -35,6 +35,23 @@ def add_mix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--engine", action="append", default=[], metavar="KEY=VALUE",
+        help="an engine setting over the deployment's (e.g. quantization=fp8)",
+    )  # fmt: skip
+
+
+def engine_overrides(settings: list[str]) -> dict[str, Any]:
+    """KEY=VALUE settings as EngineConfig keywords (JSON values where they parse: numbers,
+    booleans; strings otherwise)."""
+    overrides: dict[str, Any] = {}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
 
 
 def engine_args(device: str) -> dict[str, Any]:
@@ -57,7 +74,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_mix_arguments(parser)
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, **engine_args(args.device))
+    settings = engine_args(args.device) | engine_overrides(args.engine)
+    llm = LLM(args.model, device=args.device, **settings)
     prompts, params = warm_mix(llm, args)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
