@@ -333,6 +333,59 @@ def test_a_kv_heads_query_heads_split_over_threads_give_the_same_bits() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [(9, 3, 64), (8, 1, 128), (6, 2, 32), (16, 2, 256)],
+    ids=["smollm2-g3-d64", "g8-d128", "g3-d32", "g8-d256"],
+)
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_a_sequences_rows_in_one_call_are_the_one_row_kernels_rows_bit_for_bit(
+    shape: tuple[int, int, int], block_size: int, one_thread: None
+) -> None:
+    """Runs of 8 or more rows of one sequence in one call (a prompt chunk laid out as decode
+    rows in deterministic mode, a verify step's rows) take decode_rows.c, several rows per
+    pass over 16-key tiles; each row's output is the same bits as that row alone (decode.c's
+    one-row walk). A's 45 prompt rows in chunks of 1, 19 and 25 (contexts 1 to 45: not
+    multiples of the tile or the block), B's 11 rows after a cached prefix of 37 tokens and
+    C's one decode row at 70 in the same call as A's last chunk. In 16-float vectors, which
+    runs need, on any CPU."""
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(block_size + dim)
+    blocks = 3 * -(-70 // block_size)
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(blocks, generator=gen).view(3, -1)
+    rows = [(0, p) for p in range(45)] + [(1, p) for p in range(37, 48)] + [(2, 69)]
+    seq = torch.tensor([s for s, _ in rows])
+    positions = torch.tensor([p for _, p in rows])
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    qkv = torch.randn(len(rows), (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.arange(128)[:, None] * torch.rand(dim, generator=gen)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+
+    def attend(calls: list[list[int]]) -> torch.Tensor:
+        caches = k_cache.clone(), v_cache.clone()
+        out = torch.empty(len(rows), heads, dim)
+        for call in calls:
+            at = torch.tensor(call)
+            part = torch.empty(len(call), heads, dim)
+            native.decode_attention(
+                qkv[at], positions[at], cos, sin, *caches, slots[at], tables[seq[at]],
+                positions[at] + 1, heads, dim**-0.5, part,
+            )  # fmt: skip
+            out[at] = part
+        return out
+
+    try:
+        native.set_attention_lanes(16)
+        alone = attend([[i] for i in range(len(rows))])
+        together = attend([[0], list(range(1, 20)), list(range(20, len(rows)))])
+    finally:
+        native.set_attention_lanes(0)
+    for i, (s, p) in enumerate(rows):
+        assert torch.equal(together[i], alone[i]), f"sequence {s}, position {p}"
+
+
 def test_build_caches_the_library_by_source(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The suite's own build (the cache that every native test loads from) is found again,
     not rebuilt; other flags (as an edited source) key another folder. Compiling into a

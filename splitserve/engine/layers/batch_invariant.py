@@ -16,8 +16,9 @@ count, and what this mode takes instead:
   chunk of one token the decode kernel. The model runner lays every row out as a decode row
   in this mode (``model_runner.py``), so that every query runs decode.c's per-row walk over
   the paged cache after the step's K/V is written, in the same order whether its prefix was
-  computed in this step, an earlier chunk, or came from the prefix cache; the whole-stack
-  native decode (``native_decode.py``) then takes prefill steps too.
+  computed in this step, an earlier chunk, or came from the prefix cache (a run of a
+  sequence's rows takes ``decode_rows.c``, the same operations for several rows at once); the
+  whole-stack native decode (``native_decode.py``) then takes prefill steps too.
 
 RMSNorm, rotary, SiLU-and-mul, the embedding lookups (row by row in the native kernels) and
 torch's log-softmax (one row's reduction at any batch here, checked by the tests) were

@@ -31,9 +31,10 @@ SOURCES = (
     "blocks_row16.c",
     "blocks_row16_avx2.c",
     "decode.c",
+    "decode_rows.c",
     "prefill.c",
 )
-HEADERS = ("blocks.h", "vec16.h")
+HEADERS = ("attend.h", "blocks.h", "vec16.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 LIBRARY = "libsplitserve_native.so"
 
