@@ -79,8 +79,8 @@ class LLMEngine:
         tag = "" if config.cpu_weights == "auto" else f"+{config.cpu_weights}-weights"
         if config.quantization is not None:
             tag += f"+{config.quantization}-weights"
-        if config.kv_cache_dtype != "auto":
-            tag += f"+{config.kv_cache_dtype}-kv"
+        if config.kv_cache_dtype != "auto":  # its rows' layout too: blocks of another don't fit
+            tag += f"+{config.kv_cache_dtype}-kv{self.runner.kv_groups[0].spec.scale_values}"
         if len(self.runner.kv_groups) > 1:
             tag += "+window-groups"  # a block holds the global layers only
             if config.window_replay_allowance is not None:
