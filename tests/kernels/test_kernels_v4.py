@@ -249,6 +249,43 @@ def test_v4_decode_steps_on_the_kernels_read_nothing_on_the_host(
     assert padded == eager
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_v4_prefill_attention_reads_nothing_on_the_host(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts prefilled side by side (their chunks closing CSA and HCA windows, in blocks
+    of 4), then the first again (a prefix hit, replayed whole: the windows of its cached
+    entries pool into the scratch block): no attention layer's prefill calls ``.item()`` /
+    ``.tolist()`` / nonzero / mask indexing, on the blocked torch path and with every layer
+    on its kernels (HCA and sliding through the decode kernel, the interpreter)."""
+    if backend == "triton":
+        monkeypatch.setattr(dispatch, "_on_cpu", True)
+    llm = LLM(
+        model="shape:tiny-deepseek-v4", attention_backend=backend, max_model_len=48, block_size=4
+    )
+    forward, recorder, prefills = v4_attention.V4Attention.forward, HostReads(), []
+    tolist = torch.Tensor.tolist
+
+    def recorded_tolist(self: torch.Tensor) -> Any:
+        recorder.reads.append("tolist")
+        return tolist(self)
+
+    def prefill_forward(self: Any, x: torch.Tensor, positions: torch.Tensor, meta: Any) -> Any:
+        if meta.num_decode_tokens:
+            return forward(self, x, positions, meta)
+        prefills.append(x.shape[0])
+        with monkeypatch.context() as patch, recorder:
+            patch.setattr(torch.Tensor, "tolist", recorded_tolist)
+            return forward(self, x, positions, meta)
+
+    monkeypatch.setattr(v4_attention.V4Attention, "forward", prefill_forward)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 63))]
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    assert (prefills, recorder.reads) == ([50] * 4 + [37] * 4, [])  # rows a layer's prefill
+
+
 _SHARED_MEMORY = """
 import sys
 import triton

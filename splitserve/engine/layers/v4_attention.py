@@ -88,7 +88,7 @@ def query_groups(meta: AttentionMetadata, decodes: bool = True) -> list[QueryGro
     """Each decode row alone (unless not ``decodes``: their lengths stay on the device),
     then each prefill chunk."""
     groups = []
-    if decodes:
+    if decodes and meta.num_decode_tokens:
         lens = meta.decode_context_lens.tolist()
         groups = [
             QueryGroup(slice(i, i + 1), meta.decode_block_tables[i], length)
@@ -272,26 +272,25 @@ class V4Attention(nn.Module):
 
     def pool(self, pooled: QueryGroup, slots: torch.Tensor, whole: QueryGroup) -> None:
         """The entries of the windows this group's tokens close, pooled from the state rows
-        and written to group 0, but for tokens whose group-0 slot is the scratch block (a
-        replay of a cached prefix, whose entries are in the cache)."""
+        and written to group 0; a window whose closing token's group-0 slot is the scratch
+        block (a replay of a cached prefix, whose entries are in the cache) writes to the
+        scratch block instead (no host read)."""
         rate, end = self.rate, whole.context_len
         start = end - slots.shape[0]
-        block_size = self.entry_cache.shape[1]
+        if end // rate == start // rate:
+            return
         windows = torch.arange(start // rate, end // rate, device=slots.device)
-        closing = (windows + 1) * rate - 1
+        block_size = self.entry_cache.shape[1]
         scratch = self.entry_cache.shape[0] - 1
-        windows = windows[slots[closing - start] // block_size != scratch]
-        if windows.numel():
-            state = self.state_cache[pooled.block_table].flatten(0, 1)[: pooled.context_len]
-            base = end - pooled.context_len
-            offsets = torch.arange(rate - self.layout.reach, rate, device=slots.device)
-            rows = state[(windows[:, None] * rate + offsets - base).clamp(min=0)]
-            where = (windows[:, None] * rate + torch.arange(rate, device=slots.device)).flatten()
-            table = whole.block_table
-            flat = self.entry_cache.flatten(0, 1)
-            flat[table[where // block_size] * block_size + where % block_size] = self.pieces(
-                rows, windows
-            )
+        replayed = slots[(windows + 1) * rate - 1 - start] // block_size == scratch
+        state = self.state_cache[pooled.block_table].flatten(0, 1)[: pooled.context_len]
+        base = end - pooled.context_len
+        offsets = torch.arange(rate - self.layout.reach, rate, device=slots.device)
+        rows = state[(windows[:, None] * rate + offsets - base).clamp(min=0)]
+        where = windows[:, None] * rate + torch.arange(rate, device=slots.device)
+        blocks = torch.where(replayed[:, None], scratch, whole.block_table[where // block_size])
+        flat = self.entry_cache.flatten(0, 1)
+        flat[(blocks * block_size + where % block_size).flatten()] = self.pieces(rows, windows)
 
     def pool_decodes(self, meta: AttentionMetadata, state_meta: AttentionMetadata) -> None:
         """``pool`` for the step's decode rows at once, in fixed shapes: every row pools the

@@ -178,10 +178,12 @@ def _attend(
             s = float_scores(q, far_keys.transpose(1, 2))
         scores.append(s)
         masks.append(far_valid[:, None, :])
-    logits = torch.cat(scores, dim=-1).mul_(dim**-0.5)
-    logits.masked_fill_(~torch.cat(masks, dim=-1), -torch.inf)
-    sink = sinks.float()[None, :, None].expand(rows, -1, 1)
-    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1).to(q.dtype)
+    scale = dim**-0.5
+    scores.append((sinks.float() / scale)[None, :, None].expand(rows, -1, 1))  # scaled below
+    masks.append(masks[0].new_ones(1, 1, 1).expand(rows, 1, 1))
+    logits = torch.cat(scores, dim=-1).mul_(scale)
+    probs = logits.masked_fill_(~torch.cat(masks, dim=-1), -torch.inf).softmax(dim=-1)
+    probs = probs.to(q.dtype)
     out = torch.bmm(probs[..., :span].view(blocks, block * heads, span), near.transpose(1, 2))
     out = out.view(rows, heads, dim)
     if far is None:
