@@ -16,7 +16,10 @@ each path, the largest error of each against the reference (relative to its larg
 for CSA the share of the blocked path's picks that the reference chose too (bfloat16 scores
 may swap near-ties at the k-th), and the useful attention FLOPs (each row's window and chosen
 entries) a second of the fastest path.
-JSON to $OUT/v4-prefill.json when OUT is set.
+JSON to $OUT/v4-prefill.json when OUT is set. ``--score-mib 256,1024`` runs the blocked
+path (and the kernel) at each budget of a pass's temporaries (``v4_decode.SCORE_BYTES``): at 8k
+rows, 256 MiB gives CSA 64 passes of one 128-row block (2,268 torch ops on the meta device),
+1,024 MiB 11 passes (411 ops).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity
 
+from splitserve.engine.layers import v4_decode
 from splitserve.engine.layers.lightning_indexer import choose, index_scores
 from splitserve.engine.layers.v4_prefill import (
     Entries,
@@ -191,22 +195,33 @@ def main() -> int:
     parser.add_argument("--reduced", action="store_true", help="8 heads of 128, float32")
     parser.add_argument("--no-reference", action="store_true", help="time the blocked path only")
     parser.add_argument("--profile", action="store_true", help="the blocked path's top ops")
+    parser.add_argument(
+        "--score-mib",
+        default=str(v4_decode.SCORE_BYTES >> 20),
+        help="v4_decode.SCORE_BYTES values to run at, in MiB (comma-separated; the reference "
+        "at the first): the size of the passes",
+    )
     args = parser.parse_args()
     dev = torch.device(args.device)
     shape = REDUCED if args.reduced else FLASH
-    rows = [
-        measure(shape, kind, args.tokens, dev, not args.no_reference, args.profile)
-        for kind in args.kinds.split(",")
-    ]
+    rows = []
+    for i, mib in enumerate(map(int, args.score_mib.split(","))):
+        v4_decode.SCORE_BYTES = mib << 20
+        for kind in args.kinds.split(","):
+            reference = not args.no_reference and i == 0
+            rows.append({"score_mib": mib, **measure(shape, kind, args.tokens, dev, reference,
+                                                      args.profile)})  # fmt: skip
     nan = float("nan")
     head = ("reference ms", "blocked ms", "rel err", "kernels ms", "rel err", "picks agree")
-    print(f"{'kind':<5} {'tokens':>6} " + " ".join(f"{h:>12}" for h in head), "TFLOP/s useful")
+    print(f"{'kind':<5} {'tokens':>6} {'MiB':>5} " + " ".join(f"{h:>12}" for h in head), end=" ")
+    print("TFLOP/s useful")
     for r in rows:
         keys = ("reference_ms", "blocked_ms", "blocked_rel_err", "kernels_ms", "kernels_rel_err")
         cells = [f"{r.get(k, nan):>12.2f}" for k in keys]
         cells[2], cells[4] = f"{r.get(keys[2], nan):>12.1e}", f"{r.get(keys[4], nan):>12.1e}"
         cells.append(f"{r.get('choice_agreement', nan):>12.4f}")
-        print(f"{r['kind']:<5} {r['tokens']:>6} " + " ".join(cells), f"{r['useful_tflops']:.2f}")
+        first = f"{r['kind']:<5} {r['tokens']:>6} {r['score_mib']:>5} "
+        print(first + " ".join(cells), f"{r['useful_tflops']:.2f}")
     if os.environ.get("OUT"):
         result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                   "shape": shape.__dict__, "rows": rows}  # fmt: skip

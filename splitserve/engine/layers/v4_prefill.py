@@ -74,7 +74,7 @@ def prefill_attention(
     span = block + window - 1
     near, near_valid = _blocks(keys, rows, block, window)
     out = torch.empty_like(q)
-    per_row = _row_bytes(heads, dim, span, entries, q.element_size())
+    per_row = _row_values(heads, dim, span, entries, q.element_size())
     step = max(1, v4_decode.score_rows(per_row) // block) * block
     for first in range(0, rows, step):
         last = min(rows, first + step)
@@ -105,16 +105,16 @@ def _blocks(
     return padded.unfold(0, span, block), band & exists.unfold(0, span, block)[:, None, :]
 
 
-def _row_bytes(heads: int, dim: int, span: int, entries: Entries | None, size: int) -> int:
-    """Bytes of a query row's float32 scores and, in CSA, of its index scores and gathered
-    entries."""
+def _row_values(heads: int, dim: int, span: int, entries: Entries | None, size: int) -> int:
+    """A query row's float32 scores and, in CSA, its index scores and gathered entries (of
+    ``size`` bytes a value), in float32 values: what ``score_rows`` counts."""
     if entries is None:
-        return 4 * heads * span
+        return heads * span
     count, index = entries.keys.shape[0], entries.indexer
     if index is None or count <= index.topk:
-        return 4 * heads * (span + count)
-    index_scores = 4 * index.q.shape[1] * count
-    return 4 * heads * (span + index.topk) + index_scores + size * dim * index.topk
+        return heads * (span + count)
+    gathered = size * dim * index.topk // 4
+    return heads * (span + index.topk) + index.q.shape[1] * count + gathered
 
 
 def _entry_keys(
