@@ -106,15 +106,16 @@ def _blocks(
 
 
 def _row_values(heads: int, dim: int, span: int, entries: Entries | None, size: int) -> int:
-    """A query row's float32 scores and, in CSA, its index scores and gathered entries (of
-    ``size`` bytes a value), in float32 values: what ``score_rows`` counts."""
+    """A query row's float32 scores and, in CSA, its gathered entries (of ``size`` bytes a
+    value) or its index scores, whichever are more (the index scores are gone before the
+    entries are gathered), in float32 values: what ``score_rows`` counts."""
     if entries is None:
         return heads * span
     count, index = entries.keys.shape[0], entries.indexer
     if index is None or count <= index.topk:
         return heads * (span + count)
     gathered = size * dim * index.topk // 4
-    return heads * (span + index.topk) + index.q.shape[1] * count + gathered
+    return max(heads * (span + index.topk) + gathered, index.q.shape[1] * count)
 
 
 def _entry_keys(
@@ -130,13 +131,14 @@ def _entry_keys(
     count = min(keys.shape[0], (start + last) // rate)
     if count == 0:
         return None
-    positions = torch.arange(start + first, start + last, device=keys.device)
-    seen = F.pad((positions + 1) // rate, (0, padding), value=count)[:, None]
+    seen = torch.arange(start + first + 1, start + last + 1, device=keys.device)[:, None] // rate
     index = entries.indexer
     if index is None or count <= index.topk:
-        return keys[:count], torch.arange(count, device=keys.device)[None, :] < seen
-    picks = pick(index, first, last, count, seen[: last - first])
-    picks = F.pad(picks, (0, 0, 0, padding), value=-1)
+        visible = torch.arange(count, device=keys.device)[None, :] < seen
+        return keys[:count], F.pad(visible, (0, 0, 0, padding), value=True) if padding else visible
+    picks = pick(index, first, last, count, seen)
+    if padding:
+        picks = F.pad(picks, (0, 0, 0, padding), value=-1)
     return keys[picks.clamp(min=0)], picks >= 0
 
 
