@@ -18,8 +18,8 @@ may swap near-ties at the k-th), and the useful attention FLOPs (each row's wind
 entries) a second of the fastest path.
 JSON to $OUT/v4-prefill.json when OUT is set. ``--score-mib 256,1024`` runs the blocked
 path (and the kernel) at each budget of a pass's temporaries (``v4_decode.SCORE_BYTES``): at 8k
-rows, 256 MiB gives CSA 64 passes of one 128-row block (2,268 torch ops on the meta device),
-1,024 MiB 11 passes (411 ops).
+rows, 256 MiB gives CSA 32 passes of two 128-row blocks (1,052 torch ops on the meta device),
+1,024 MiB 6 passes (214 ops).
 """
 
 from __future__ import annotations
