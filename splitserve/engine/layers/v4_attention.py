@@ -16,7 +16,8 @@ tokens' keys and state rows, pools the windows its tokens close into group 0 (ex
 prefix hit's replay recomputes positions whose entries came from the cache), then attends:
 in torch a decode row or a prefill chunk at a time (``layers/v4_prefill.py``: blocks of the
 window's width, each row's chosen entries gathered); on the "triton" backend the CUDA decode
-rows take the kernels in one batch (``layers/v4_decode.py``).
+rows take the kernels in one batch, and the prefill rows of a layer without an indexer the
+decode kernel, each a decode row over its own context (``layers/v4_decode.py``).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class V4Attention(nn.Module):
             out[:n] = self.decode(q[:n], x[:n], q_residual[:n], positions[:n], meta)
         # a CSA chunk stays in torch: on the H200 the indexer's kernel, its choice and the
         # attention's split partials at 8k rows took longer than the blocked path
-        attend = self.prefill_kernels if kernels and self.indexer is None else self.attend
+        attend = self.attend_on_kernel if kernels and self.indexer is None else self.attend
         groups = (query_groups(m, not kernels) for m in (key_meta, state_meta, meta))
         for near, pooled, whole in zip(*groups):
             r = whole.rows
@@ -210,7 +211,7 @@ class V4Attention(nn.Module):
         keys = (key_meta.decode_block_tables, key_meta.decode_context_lens)
         return decode_kernels(q, self.key_cache, keys, self.sinks, self.window, entries, index)
 
-    def prefill_kernels(
+    def attend_on_kernel(
         self,
         q: torch.Tensor,
         x: torch.Tensor,
