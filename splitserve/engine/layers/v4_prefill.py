@@ -71,7 +71,7 @@ def prefill_attention(
     that exists), and ``entries``; each head's sink in the softmax. -> [L, heads, dim]."""
     rows, heads, dim = q.shape
     block = min(window, rows)
-    span = block + window - 1
+    span = _aligned(block + window - 1)
     near, near_valid = _blocks(keys, rows, block, window)
     out = torch.empty_like(q)
     per_row = _row_values(heads, dim, span, entries, q.element_size())
@@ -91,11 +91,12 @@ def _blocks(
     keys: torch.Tensor, rows: int, block: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each block's keys [blocks, dim, span] (a view of the keys padded to positions
-    start - window + 1 .. the last block's end) and which its rows see [blocks, block, span]:
-    row i of a block sees its keys i .. i + window - 1 that exist."""
-    span, blocks = block + window - 1, -(-rows // block)
+    start - window + 1 .. the last block's end, span ``block + window - 1`` aligned) and which
+    its rows see [blocks, block, span]: row i of a block sees its keys i .. i + window - 1
+    that exist."""
+    span, blocks = _aligned(block + window - 1), -(-rows // block)
     lead = rows + window - 1 - keys.shape[0]  # padded positions before the first key
-    padded = F.pad(keys, (0, 0, lead, blocks * block - rows))
+    padded = F.pad(keys, (0, 0, lead, blocks * block - rows + span - block - window + 1))
     at = torch.arange(padded.shape[0], device=keys.device)
     exists = (at >= lead) & (at < rows + window - 1)
     offset = (
@@ -103,6 +104,12 @@ def _blocks(
     )
     band = (offset >= 0) & (offset < window)
     return padded.unfold(0, span, block), band & exists.unfold(0, span, block)[:, None, :]
+
+
+def _aligned(n: int) -> int:
+    """n rounded up to a multiple of 8: a score row's width, so that rows of bfloat16
+    probabilities start on 16 bytes (cuBLAS takes its Hopper kernels, not align-1 ones)."""
+    return -(-n // 8) * 8
 
 
 def _row_values(heads: int, dim: int, span: int, entries: Entries | None, size: int) -> int:
@@ -134,8 +141,10 @@ def _entry_keys(
     seen = torch.arange(start + first + 1, start + last + 1, device=keys.device)[:, None] // rate
     index = entries.indexer
     if index is None or count <= index.topk:
-        visible = torch.arange(count, device=keys.device)[None, :] < seen
-        return keys[:count], F.pad(visible, (0, 0, 0, padding), value=True) if padding else visible
+        width = _aligned(count)  # the entries past count are zeros no row sees
+        visible = torch.arange(width, device=keys.device)[None, :] < seen
+        visible = F.pad(visible, (0, 0, 0, padding), value=True) if padding else visible
+        return F.pad(keys[:count], (0, 0, 0, width - count)), visible
     picks = pick(index, first, last, count, seen)
     if padding:
         picks = F.pad(picks, (0, 0, 0, padding), value=-1)
@@ -185,12 +194,12 @@ def _attend(
     masks.append(masks[0].new_ones(1, 1, 1).expand(rows, 1, 1))
     logits = torch.cat(scores, dim=-1).mul_(scale)
     probs = logits.masked_fill_(~torch.cat(masks, dim=-1), -torch.inf).softmax(dim=-1)
-    probs = probs.to(q.dtype)
-    out = torch.bmm(probs[..., :span].view(blocks, block * heads, span), near.transpose(1, 2))
+    near_probs = probs[..., :span].to(q.dtype)  # in half precision a copy of its own
+    out = torch.bmm(near_probs.view(blocks, block * heads, span), near.transpose(1, 2))
     out = out.view(rows, heads, dim)
     if far is None:
         return out
-    far_probs = probs[..., span:-1]
+    far_probs = probs[..., span:-1].to(q.dtype)
     if far_keys.dim() == 2:
         flat = far_probs.reshape(rows * heads, -1)
         return torch.addmm(out.view(rows * heads, dim), flat, far_keys).view(rows, heads, dim)
