@@ -116,7 +116,9 @@ def _rotary_kv_write_kernel(
         d = tl.arange(0, PAD_D)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = rotate_half(k_src + h * HEAD_DIM, d, c, s, mask, HEAD_DIM // 2)
-        v = tl.load(k_src + num_kv_heads * HEAD_DIM + h * HEAD_DIM + d, mask=mask)
+        # Masked lanes zero (a load without ``other`` leaves them undefined on the GPU): an
+        # FP8 row's scale is the largest magnitude over every lane, padding included.
+        v = tl.load(k_src + num_kv_heads * HEAD_DIM + h * HEAD_DIM + d, mask=mask, other=0.0)
         head_ok = h < num_kv_heads
         store_kv(k_cache_ptr + at, h * stride_ch, d, mask, head_ok, k,
                  FP8_MAX, TINY, HEAD_DIM, FP8_KV)  # fmt: skip

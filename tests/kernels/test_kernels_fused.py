@@ -171,6 +171,45 @@ def test_rotary_kv_write_into_an_fp8_cache_packs_rows_as_the_torch_write(
         assert cache.view(flat)[slots[written]][..., head_dim + 4 :].eq(0).all()
 
 
+def test_an_fp8_rows_scale_reads_no_masked_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A masked load without ``other`` leaves its lanes undefined on the GPU (the interpreter
+    gives zeros): made large here, a head_dim under its power of two (48 of 64 lanes) must still
+    give each row's scale from its own values only."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_masked_load"):
+        pytest.skip("this Triton's interpreter has no create_masked_load to patch")
+    plain = builder.create_masked_load
+
+    def undefined_lanes(self: Any, ptrs: Any, mask: Any, other: Any, *args: Any) -> Any:
+        if other is None:
+            dtype = interpreter._get_np_dtype(ptrs.get_element_ty())
+            other = interpreter.TensorHandle(
+                interpreter.np.full_like(ptrs.data, 1e4, dtype=dtype),
+                ptrs.get_element_ty(),
+            )
+        return plain(self, ptrs, mask, other, *args)
+
+    monkeypatch.setattr(builder, "create_masked_load", undefined_lanes)
+    heads, kv_heads, head_dim, tokens = 3, 1, 48, 2
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    qkv = torch.randn(
+        tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(1)
+    )
+    k_cache = torch.zeros(2, 16, kv_heads, head_dim + KV_SCALE_VALUES, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 17])
+    rotary_kv_write(
+        torch.tensor([0, 17]), qkv, heads, rotary.cos, rotary.sin, k_cache.view(FP8),
+        v_cache.view(FP8), slots,
+    )  # fmt: skip
+    v_rows = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    flat = v_cache.view(-1, kv_heads, head_dim + KV_SCALE_VALUES)[slots]
+    scales = flat[..., head_dim : head_dim + 4].contiguous().view(torch.float32)[..., 0]
+    torch.testing.assert_close(scales, v_rows.abs().amax(-1) / 448, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (6, 2, 64), (3, 1, 48)])
 @pytest.mark.parametrize("num_splits", [1, 3])
