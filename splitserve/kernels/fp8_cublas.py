@@ -88,19 +88,24 @@ def by_group(x_scale: torch.Tensor) -> torch.Tensor:
     return columns[:, :m].t()
 
 
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+"""Outputs cuBLAS gives for these scales: none in float32 (CUBLAS_STATUS_NOT_SUPPORTED), so a
+float32 model's products stay on Triton rather than being refused at every row count."""
+
+
 @cache
-def available(device: torch.device) -> bool:
-    """True when this device and torch multiply block-scaled FP8 on cuBLAS correctly: 129-
-    and 256-row products by a 384 x 512 weight in bfloat16 against the dequantizing
-    reference (relative error under 1%)."""
-    if device.type != "cuda":
+def available(device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True when this device and torch multiply block-scaled FP8 on cuBLAS correctly with
+    out_dtype's output: 129- and 256-row products by a 384 x 512 weight against the
+    dequantizing reference (relative error under 1%)."""
+    if device.type != "cuda" or out_dtype not in OUT_DTYPES:
         return False
     generator = torch.Generator(device=device).manual_seed(0)
     weight = quantize_blocks(torch.randn(384, 512, device=device, generator=generator))
     for rows in (MIN_ROWS + 1, 256):
         x_fp8, x_scale = quantize_groups(torch.randn(rows, 512, device=device, generator=generator))
-        try:  # cuBLAS has no float32 output for these scales (CUBLAS_STATUS_NOT_SUPPORTED)
-            got = block_scaled_mm(x_fp8, x_scale, weight, torch.bfloat16).float()
+        try:
+            got = block_scaled_mm(x_fp8, x_scale, weight, out_dtype).float()
         except (RuntimeError, ValueError, TypeError):
             return False
         want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)

@@ -193,3 +193,35 @@ def test_cublas_block_scaled_path_is_taken_only_where_it_was_checked() -> None:
     got = fp8_cublas.block_scaled_mm(x_fp8, x_scale, weight, torch.bfloat16).float()
     want = fp8_matmul_ref(x_fp8, x_scale, weight, torch.float32)
     assert ((got - want).abs() / (1 + want.abs())).max() < 1e-2  # bfloat16's rounding
+
+
+def test_cublas_takes_only_the_output_dtypes_its_probe_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cuBLAS has no float32 output for block scales: float32 activations (``dtype="float32"``
+    on a GPU) stay on the Triton launch from the first product, with no refused call and no
+    warning per row count; the probe is asked for the product's own output dtype."""
+    from splitserve.kernels import fp8_cublas
+
+    probed: list[torch.dtype] = []
+
+    def available(device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+        probed.append(out_dtype)
+        return out_dtype != torch.float32  # as a GPU with the recipe answers
+
+    def block_scaled_mm(*args: object) -> torch.Tensor:
+        raise AssertionError("cuBLAS called for a float32 product")
+
+    monkeypatch.setattr(fp8_cublas, "available", available)
+    monkeypatch.setattr(fp8_cublas, "block_scaled_mm", block_scaled_mm)
+    refused: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(fp8_cublas, "refused", lambda m, n, k, error: refused.append((m, n, k)))
+    torch.manual_seed(4)
+    x, weight = torch.randn(fp8_cublas.MIN_ROWS, 128), quantize_blocks(torch.randn(128, 128))
+    set_kernels_on_cpu(True)
+    try:
+        got = fp8_linear.fp8_linear(x, weight)
+    finally:
+        set_kernels_on_cpu(False)
+    assert not refused and probed in ([], [torch.float32])
+    torch.testing.assert_close(got, fp8_matmul_ref(*quantize_groups(x), weight, torch.float32))

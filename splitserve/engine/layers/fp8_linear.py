@@ -63,7 +63,7 @@ def fp8_linear(
         if few:
             return fp8_dense_gemm(x.contiguous(), None, weight, x.dtype)
         n, k = weight.data.shape
-        if fp8_cublas.fits(x.shape[0], n, k) and fp8_cublas.available(x.device):
+        if fp8_cublas.fits(x.shape[0], n, k) and fp8_cublas.available(x.device, x.dtype):
             quantized = quantize_groups_kernel(x.contiguous(), for_cublas=True)
             try:
                 return fp8_cublas.block_scaled_mm(*quantized, weight, x.dtype)[: x.shape[0]]
