@@ -156,7 +156,7 @@ def weight_bytes(
 
 def kv_bytes_per_token(cfg: ModelConfig, element_size: int, scale_values: int = 0) -> int:
     """K and V of every KV head, or MLA's one latent (and RoPE key), over the layers; each row
-    with ``scale_values`` more slots for its scale (an FP8 cache's 4, engine/layers/fp8_kv.py).
+    with ``scale_values`` more slots for its scale (an FP8 cache's 16, engine/layers/fp8_kv.py).
     DeepSeek-V4: the compressed entries' share of a token (``v4_roofline``)."""
     if cfg.v4 is not None:
         return v4_roofline.kv_bytes_per_token(cfg, element_size)

@@ -32,8 +32,8 @@ class KVCacheSpec:
     head_dim: int
     entry_tokens: int = 1
     scale_values: int = 0
-    """Slots after each row's head_dim values that hold its scale (an FP8 cache's 4 bytes,
-    ``layers/fp8_kv.py``)."""
+    """Slots after each row's head_dim values that hold its scale (an FP8 cache's 16: the
+    float32 scale's 4 bytes and 12 that keep rows 16-byte aligned, ``layers/fp8_kv.py``)."""
 
     def __post_init__(self) -> None:
         if self.parts not in (1, 2):

@@ -109,7 +109,7 @@ def mla_decode_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """query [B, H, latent_dim] over latent_cache [num_blocks, block_size, 1, latent_dim]
-    (an FP8 cache: latent_dim + 4, each row's scale after it, dequantized as it is loaded)
+    (an FP8 cache: latent_dim + 16, each row's scale after it, dequantized as it is loaded)
     (padded block_tables [B, max_blocks], context_lens [B]) -> [B, H, value_dim], the
     weighted first ``value_dim`` values of each row (the latent). value_dim and
     latent_dim - value_dim are powers of two of at least 16. block_n: context tokens per
