@@ -132,7 +132,13 @@ def _decode_kernel(
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8_KV:
+        if FP8_KV and q.dtype == tl.float16:
+            # float16 weights times small scales fall below its normal range: the values are
+            # scaled instead (a multiply an element)
+            v_scale = row_scale(v_cache_ptr, v_off, valid, HEAD_DIM)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            weights = p.to(q.dtype)
+        elif FP8_KV:
             weights = (p * row_scale(v_cache_ptr, v_off, valid, HEAD_DIM)[None, :]).to(q.dtype)
             v = v.to(q.dtype)
         else:

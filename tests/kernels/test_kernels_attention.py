@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine.layers.attention import AttentionMetadata, PrefillSegment, TorchAttention
 from splitserve.engine.layers.attention_backends import make_backend
-from splitserve.engine.layers.fp8_kv import pack_kv
+from splitserve.engine.layers.fp8_kv import pack_kv, unpack_kv
 from splitserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from splitserve.kernels.prefill_attention import (
     paged_prefill_attention,
@@ -134,6 +134,31 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_step(fp8: bool) -> None
     for got, expected in zip(caches, (k_cache, v_cache), strict=True):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-4])
+def test_decode_over_an_fp8_cache_matches_the_dequantized_cache(
+    dtype: torch.dtype, magnitude: float
+) -> None:
+    """The decode kernel over e4m3 rows and their scales equals the reference over the rows
+    dequantized, also for small values in float16 (at 1e-4 the softmax weights times the
+    values' scales fall below its normal range: there the values are scaled instead)."""
+    torch.manual_seed(11)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    k_cache, v_cache = _paged_cache(12, block_size, kv_heads, head_dim, torch.float32)
+    k8, v8 = pack_kv(k_cache * magnitude), pack_kv(v_cache * magnitude)
+    lens = torch.tensor([37, 70])
+    tables = _tables(lens.tolist(), block_size, 12)
+    q = torch.randn(2, heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    got = paged_decode_attention(q, k8, v8, tables, lens, scale, num_splits=2)
+    want = paged_decode_attention_ref(
+        q.float(), unpack_kv(k8, torch.float32), unpack_kv(v8, torch.float32), tables, lens, scale
+    )
+    torch.testing.assert_close(
+        got.float() / magnitude, want / magnitude, atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 def _slot(table: torch.Tensor, position: int, block_size: int) -> int:
