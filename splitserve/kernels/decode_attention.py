@@ -104,6 +104,19 @@ def _decode_kernel(
     else:
         q = tl.load(q_ptr + q_off, mask=row_mask, other=0.0)
 
+    # Over an FP8 cache in half precision the dots run in float16: e4m3 pairs widen to it in
+    # one instruction (to bfloat16 they took three), and the query goes there scaled by a
+    # power of two that puts its largest value at 2^13-2^14 (exact, far inside float16's
+    # range); that power goes back into each key's scale.
+    HALF_DOTS: tl.constexpr = FP8_KV and q.dtype != tl.float32
+    q_unit = 1.0
+    if HALF_DOTS:
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        exponent = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 13, 1)
+        q_unit = (exponent << 23).to(tl.float32, bitcast=True)
+        q = q.to(tl.float32) * ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+        q = q.to(tl.float16)
+
     m = tl.full([PAD_G], float("-inf"), tl.float32)
     l = tl.zeros([PAD_G], tl.float32)  # noqa: E741
     acc = tl.zeros([PAD_G, PAD_D], tl.float32)
@@ -118,10 +131,10 @@ def _decode_kernel(
         v_off = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP8_KV:
-            # e4m3 values are exact in the query's dtype: the dots take them as they are and
+            # e4m3 values are exact in float16 and float32: the dots take them as they are and
             # each key's scale multiplies its score, each value's scale its weight (one
             # multiply a token, not one an element).
-            k_scale = row_scale(k_cache_ptr, k_off, valid, HEAD_DIM) * scale_log2
+            k_scale = row_scale(k_cache_ptr, k_off, valid, HEAD_DIM) * (scale_log2 * q_unit)
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
             scores *= k_scale[None, :]
         else:
@@ -132,18 +145,21 @@ def _decode_kernel(
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8_KV and q.dtype == tl.float16:
-            # float16 weights times small scales fall below its normal range: the values are
-            # scaled instead (a multiply an element)
+        if HALF_DOTS:
+            # each weight times its value's scale over the tile's largest scale (at most 1:
+            # the product of a weight and a small scale would fall below float16's normal
+            # range), the tile's sum times that largest scale
             v_scale = row_scale(v_cache_ptr, v_off, valid, HEAD_DIM)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            weights = p.to(q.dtype)
+            v_max = tl.max(v_scale, 0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            weights = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+            part = tl.dot(weights, v.to(tl.float16), input_precision=PRECISION) * v_max
         elif FP8_KV:
-            weights = (p * row_scale(v_cache_ptr, v_off, valid, HEAD_DIM)[None, :]).to(q.dtype)
-            v = v.to(q.dtype)
+            weights = p * row_scale(v_cache_ptr, v_off, valid, HEAD_DIM)[None, :]
+            part = tl.dot(weights, v.to(tl.float32), input_precision=PRECISION)
         else:
-            weights = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+            part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + part
         m = m_new
 
     safe_l = tl.where(l > 0, l, 1.0)
