@@ -44,8 +44,9 @@ def _quantize_kernel(
     load = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=load, other=0.0)
     x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1), TINY) / FP8_MAX
-    q = round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX))
+    # IEEE divisions (Triton's "/" is the GPU's approximate one), as torch divides
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), TINY), FP8_MAX)
+    q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX))
     out = out_ptr + rows[:, None] * stride_out + cols[None, :]
     tl.store(
         out, q.to(out_ptr.dtype.element_ty), mask=(rows < M_OUT)[:, None] & (cols < K)[None, :]

@@ -83,8 +83,9 @@ def store_kv(
     448, that float32 scale after them (the padding after it stays the pool's zeros)."""
     if FP8_ROWS:
         x = rows.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 1), TINY)[:, None] / FP8_MAX
-        q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+        # IEEE divisions (Triton's "/" is the GPU's approximate one), as torch divides
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), TINY)[:, None], FP8_MAX)
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
         tl.store(dst + h + d, q.to(dst.dtype.element_ty), mask=mask)
         tl.store((dst + h + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=head_ok)
     else:
