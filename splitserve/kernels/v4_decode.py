@@ -130,6 +130,15 @@ def _v4_decode_kernel(
             tl.store(part_lse_ptr + sink_part, sink, mask=head_ok)
 
 
+NUM_STAGES = 2
+"""Pipeline stages of the decode launch. Over caches whose strides are whole 16-byte
+multiples Triton pipelines the key loads, and at its default of 3 stages a CSA layer's
+program asked for 262,656 bytes of shared memory on the H100 and H200 (Triton 3.6; the limit
+is 232,448) and failed to launch (benchmarks/kernels/v4_prefill.py's fresh caches; the
+engine's caches, column views of wider rows, are not so aligned and took 131,072). At 2 the
+aligned compile needs 131,200 (Triton 3.9 for sm_90a, tests/kernels/test_kernels_v4.py)."""
+
+
 def default_tiles(heads: int, dim: int) -> tuple[int, int, int]:
     """(keys a tile, heads a program, warps) that v4_decode_attention launches with."""
     block_h = min(64, max(16, triton.next_power_of_2(heads)))
@@ -195,7 +204,8 @@ def v4_decode_attention(
         DIM=dim, PAD_D=pad_d, BLOCK_H=block_h, KEY_BLOCK=key_cache.shape[1],
         ENTRY_BLOCK=entry_cache.shape[1], RATE=rate, PIECE=piece,
         SELECTED=index is not None, SPLIT=split, BLOCK_N=block_n, NUM_SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, **pdl.launch_kwargs(q),
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=NUM_STAGES,
+        **pdl.launch_kwargs(q),
     )  # fmt: skip
     if splits > 1:
         merge_splits(part_out, part_lse, out)
