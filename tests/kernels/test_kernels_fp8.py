@@ -3,6 +3,10 @@ dequantizing torch references (``kernels/fp8_quant.py``)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -225,3 +229,60 @@ def test_cublas_takes_only_the_output_dtypes_its_probe_checked(
         set_kernels_on_cpu(False)
     assert not refused and probed in ([], [torch.float32])
     torch.testing.assert_close(got, fp8_matmul_ref(*quantize_groups(x), weight, torch.float32))
+
+
+_SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from splitserve.kernels import decode_attention, fp8_act, rotary
+
+target = GPUTarget("cuda", 90, 32)
+
+
+def compile_(fn, types, constants, num_warps=4):
+    names = [n for n in fn.arg_names if n not in constants]
+    signature = dict(zip(names, types, strict=True)) | {c: "constexpr" for c in constants}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n.startswith("stride") or n.endswith("_ptr")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=target, options={"num_warps": num_warps}).asm["ptx"]
+
+
+quantize = compile_(fp8_act._quantize_kernel, ["*bf16", "*fp8e4nv", "*fp32"] + ["i32"] * 7,
+                    dict(ROWS=16, GROUP=128, FP8_MAX=448.0, TINY=1e-12))
+write = compile_(rotary._rotary_kv_write_kernel,
+                 ["*i64", "*fp32", "*fp32", "*bf16", "*bf16", "*fp8e4nv", "*fp8e4nv", "*i64"]
+                 + ["i32"] * 9,
+                 dict(HEAD_DIM=128, BLOCK_SIZE=16, PAD_H=32, PAD_HKV=8, PAD_D=128, PDL=False,
+                      FP8_KV=True, FP8_MAX=448.0, TINY=1e-12))
+print("quantize", quantize.count("div.rn.f32") > 0, "write", write.count("div.rn.f32") > 0)
+for q in ("bf16", "fp16"):
+    ptx = compile_(decode_attention._decode_kernel,
+                   [f"*{q}", "*fp8e4nv", "*fp8e4nv", "*i64", "*i32", f"*{q}", "*fp32", "*fp32",
+                    "*i64", "*fp32", "*fp32", "*i64", "fp32"] + ["i32"] * 13,
+                   dict(GROUP=4, PAD_G=16, HEAD_DIM=128, PAD_D=128, BLOCK_SIZE=16, BLOCK_N=128,
+                        NUM_SPLITS=2, PRECISION="tf32", FROM_QKV=False, PDL=False, FP8_KV=True))
+    print("decode", q, "f16 mma" if "f32.f16.f16.f32" in ptx else "other mma",
+          ptx.count("cvt.bf16.f16"))
+"""
+
+
+def test_fp8_kernels_compile_for_hopper_as_planned() -> None:
+    """The quantizing kernels and the decode launch over an FP8 cache, compiled for sm_90 by
+    Triton on the CPU (outside the interpreter, which neither compiles nor sees the PTX): the
+    quantization divides as IEEE does (div.rn), and the decode's dots are float16 with no
+    conversion to bfloat16 (three instructions an element, where e4m3 pairs widen to float16
+    in one) for bfloat16 and float16 queries."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:3] == [
+        "quantize True write True",
+        "decode bf16 f16 mma 0",
+        "decode fp16 f16 mma 0",
+    ], done.stdout
