@@ -39,10 +39,8 @@ def load_kv(
 ):  # fmt: skip
     """Rows [off + d] of a K or V cache; FP8 rows times the float32 scale stored after them."""
     rows = tl.load(cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
-    if FP8_ROWS:
-        scale_ptr = (cache_ptr + off + HEAD_DIM).to(tl.pointer_type(tl.float32))
-        scale = tl.load(scale_ptr, mask=valid, other=0.0)  # a masked row: 0 x 0, never NaN
-        rows = (rows.to(tl.float32) * scale[:, None]).to(dtype)
+    if FP8_ROWS:  # a masked row: 0 x 0, never NaN
+        rows = (rows.to(tl.float32) * row_scale(cache_ptr, off, valid, HEAD_DIM)[:, None]).to(dtype)
     return rows
 
 

@@ -3,10 +3,6 @@ dequantizing torch references (``kernels/fp8_quant.py``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -30,6 +26,7 @@ from splitserve.kernels.fp8_quant import (
     quantize_groups,
 )
 from splitserve.kernels.grouped_gemm import GemmTiles, fp8_gemm, fp8_grouped_gemm
+from tests.support.hopper_compile import compile_outside_interpreter
 
 # Both sides sum exact FP8 products in float32, in a different order.
 TOLERANCE = 1e-5
@@ -274,15 +271,9 @@ def test_fp8_kernels_compile_for_hopper_as_planned() -> None:
     quantization divides as IEEE does (div.rn), and the decode's dots are float16 with no
     conversion to bfloat16 (three instructions an element, where e4m3 pairs widen to float16
     in one) for bfloat16 and float16 queries."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:3] == [
+    stdout = compile_outside_interpreter(_SM90_COMPILE)
+    assert stdout.split("\n")[:3] == [
         "quantize True write True",
         "decode bf16 f16 mma 0",
         "decode fp16 f16 mma 0",
-    ], done.stdout
+    ], stdout

@@ -8,9 +8,6 @@ decode steps on the kernels reading nothing on the host (CUDA-graph safe)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from splitserve.kernels import dispatch
 from splitserve.kernels.dispatch import use_kernels
 from splitserve.kernels.v4_decode import v4_decode_attention
 from splitserve.kernels.v4_indexer import index_scores, select_topk
+from tests.support.hopper_compile import compile_outside_interpreter
 from tests.support.tiny_models import tiny_deepseek_v4
 
 DIM, WINDOW, BLOCK = 32, 8, 4
@@ -335,12 +333,6 @@ def test_v4_decode_kernel_default_tiles_fit_hoppers_shared_memory() -> None:
     the H100's and H200's 232,448 bytes, over caches of any strides and of 16-byte multiples
     (which Triton pipelines). (64 keys a tile asked for 327,680 and failed to launch on the
     H200, CSA over aligned caches 262,656 at 3 stages; the interpreter cannot see this.)"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", _SHARED_MEMORY],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    shared = [int(n) for n in done.stdout.split()]
+    stdout = compile_outside_interpreter(_SHARED_MEMORY)
+    shared = [int(n) for n in stdout.split()]
     assert len(shared) == 4 and all(0 < n <= 232_448 for n in shared), shared
